@@ -1,0 +1,182 @@
+"""`controlplane replay`: A/B routing policies on one trace through the fleet simulator."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from controlplane.cli import app
+from controlplane.cli.common import build_profile, build_trace
+from controlplane.errors import ConfigError
+from controlplane.sim.fleet import FleetConfig
+from controlplane.sim.replay import ReplayReport, replay
+from router.policies import POLICIES
+
+out = Console(width=None if sys.stdout.isatty() else 200)
+ALL_POLICIES = ",".join(POLICIES)
+
+
+def print_report(report: ReplayReport, console: Console = out) -> None:
+    table = Table(title=f"replay of {report.trace_name}", show_lines=False)
+    cols = [
+        ("policy", "left"),
+        ("requests", "right"),
+        ("TTFT p50/p90/p99 s", "right"),
+        ("TPOT p50/p99 ms", "right"),
+        ("E2E p50/p99 s", "right"),
+        ("prefix hit", "right"),
+        ("of ceiling", "right"),
+        ("goodput req/s", "right"),
+        ("out tok/s", "right"),
+        ("imbalance", "right"),
+        ("preempt", "right"),
+    ]
+    for name, justify in cols:
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    ceiling = report.pooled_prefix_hit_rate
+    for name, s in report.summaries().items():
+        table.add_row(
+            name,
+            f"{int(s['completed'])}/{int(s['requests'])}",
+            f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f} / {s['ttft_p99_s']:.2f}",
+            f"{s['tpot_p50_s'] * 1e3:.0f} / {s['tpot_p99_s'] * 1e3:.0f}",
+            f"{s['e2e_p50_s']:.1f} / {s['e2e_p99_s']:.1f}",
+            f"{s['prefix_hit_rate']:.1%}",
+            f"{s['prefix_hit_rate'] / ceiling:.0%}" if ceiling else "-",
+            f"{s['goodput_rps']:.2f}",
+            f"{s['output_tokens_per_s']:.0f}",
+            f"{s['load_imbalance']:.2f}",
+            f"{int(s['preemptions'])}",
+        )
+    console.print(table)
+    cfg = report.config
+    console.print(
+        f"pooled-cache hit-rate ceiling (one replica with the fleet's {cfg.replicas} x "
+        f"{cfg.profile.num_gpu_blocks} blocks): [bold]{ceiling:.1%}[/]; "
+        f"SLO TTFT <= {report.slo_ttft_s}s, TPOT <= {report.slo_tpot_s * 1e3:.0f}ms; "
+        f"replay wall time {report.wall_s:.1f}s"
+    )
+
+
+@app.command("replay")
+def replay_cmd(
+    trace: Annotated[
+        str, typer.Option(help="Trace: path, 'mooncake', 'azure-code', or gen:<name>?k=v")
+    ] = "mooncake",
+    replicas: Annotated[int, typer.Option(min=1, help="Replicas in the fleet.")] = 8,
+    model: Annotated[
+        str, typer.Option(help="Model key (see `controlplane roofline models`).")
+    ] = "llama-3.1-8b",
+    gpu: Annotated[str, typer.Option(help="GPU key: h100, h200, a100, l40s, cpu.")] = "h100",
+    tp: Annotated[int, typer.Option(min=1, help="Tensor parallel degree per replica.")] = 1,
+    policies: Annotated[str, typer.Option(help="Comma-separated routing policies.")] = ALL_POLICIES,
+    rate_scale: Annotated[
+        float, typer.Option(help="Divide inter-arrival times by this factor.")
+    ] = 1.0,
+    routers: Annotated[
+        int, typer.Option(min=1, help="Router instances sharing one prefix index.")
+    ] = 1,
+    no_reservations: Annotated[
+        bool, typer.Option("--no-reservations", help="Routers ignore their own in-flight requests.")
+    ] = False,
+    no_speculative: Annotated[
+        bool, typer.Option("--no-speculative", help="No speculative index entries at routing time.")
+    ] = False,
+    eviction_notice_delay: Annotated[
+        float, typer.Option(help="Extra delay (s) before BlockRemoved events reach the index.")
+    ] = 0.0,
+    kv_event_delay: Annotated[
+        float, typer.Option(help="Delay (s) before any KV event reaches the index.")
+    ] = 0.0,
+    scrape_interval: Annotated[
+        float, typer.Option(help="Seconds between metrics scrapes (0: always fresh).")
+    ] = 0.5,
+    slo_ttft: Annotated[float, typer.Option(help="TTFT SLO in seconds, for goodput.")] = 2.0,
+    slo_tpot: Annotated[float, typer.Option(help="TPOT SLO in seconds, for goodput.")] = 0.1,
+    seed: Annotated[int, typer.Option(help="Seed for generated traces.")] = 0,
+    block_size: Annotated[int, typer.Option(help="Engine block size (0: vLLM's default).")] = 0,
+    window: Annotated[str, typer.Option(help="Only requests arriving in START:END seconds.")] = "",
+    densest: Annotated[
+        int, typer.Option(help="Only the densest run of this many requests (a burst).")
+    ] = 0,
+    max_requests: Annotated[int, typer.Option(help="Only the first N requests.")] = 0,
+    oracle_output: Annotated[
+        bool, typer.Option("--oracle-output", help="predicted_finish knows true output lengths.")
+    ] = False,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write the results as JSON.")
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option(help="Write latency CDFs and per-replica load as PNG.")
+    ] = None,
+) -> None:
+    """Replay a trace through a simulated fleet once per policy and compare them side by side."""
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise ConfigError("--policies is empty")
+    prof = build_profile(gpu, model, tp, block_size)
+    tr = build_trace(
+        trace,
+        rate_scale=rate_scale,
+        window_spec=window,
+        densest=densest,
+        max_requests=max_requests,
+        seed=seed,
+    )
+    config = FleetConfig(
+        profile=prof,
+        replicas=replicas,
+        routers=routers,
+        reservations=not no_reservations,
+        speculative=not no_speculative,
+        eviction_notice_delay_s=eviction_notice_delay,
+        kv_event_delay_s=kv_event_delay,
+        scrape_interval_s=scrape_interval,
+        oracle_output=oracle_output,
+    )
+    out.print(
+        f"[bold]{tr.name}[/]: {len(tr)} requests over {tr.duration_s:.0f}s; "
+        f"{replicas} x {prof.label} ({prof.num_gpu_blocks} blocks of {prof.resolved_block_size})"
+    )
+    with Progress(
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+    ) as bar:
+        tasks: dict[str, object] = {}
+
+        def start(name: str) -> None:
+            tasks["current"] = bar.add_task(name, total=len(tr))
+
+        def advance(done: int) -> None:
+            bar.update(tasks["current"], completed=done)  # type: ignore[arg-type]
+
+        report = replay(
+            tr,
+            config,
+            names,
+            slo_ttft_s=slo_ttft,
+            slo_tpot_s=slo_tpot,
+            on_policy_start=start,
+            progress=advance,
+        )
+    print_report(report)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report.to_json(), indent=2))
+        out.print(f"wrote {json_path}")
+    if plot is not None:
+        from controlplane.sim.plots import plot_replay
+
+        plot_replay(report, plot)
+        out.print(f"wrote {plot}")

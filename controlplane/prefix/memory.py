@@ -1,0 +1,117 @@
+"""In-memory `PrefixIndex` for one process (the simulator, a single router).
+
+Confirmed entries: one `set` of hashes per replica, updated in bulk from KV events. A lookup walks
+the query chain per replica with `itertools.takewhile(set.__contains__, ...)`, which runs at C speed
+and stops at the first miss, so the cost is the matched length, not the prompt length.
+
+Speculative entries: whole chains, kept per replica and keyed by their first hash, with an expiry
+time from the injected clock. Because block hashes are chained, two chains agree on block j only if
+they agree on every block before it, so the common prefix of a query and a speculative chain is
+found by binary search.
+
+A replica's match is the first block held by neither kind:
+
+    k = longest speculative common prefix
+    matched   = k + walk(confirmed, from block k)
+    confirmed = walk(confirmed, from block 0)
+
+Known simplification: vLLM can hold two copies of one block (computed concurrently by two
+requests); a set forgets the hash when the first copy is evicted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import islice, takewhile
+
+from controlplane.types import PrefixMatch
+
+
+def _common_prefix(query: Sequence[int], chain: Sequence[int]) -> int:
+    """Length of the common prefix of two chained-hash sequences (binary search)."""
+    hi = min(len(query), len(chain))
+    if hi == 0 or query[0] != chain[0]:
+        return 0
+    if query[hi - 1] == chain[hi - 1]:
+        return hi
+    lo = 1  # query[:lo] == chain[:lo]; query[hi-1] != chain[hi-1]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if query[mid - 1] == chain[mid - 1]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class InMemoryPrefixIndex:
+    """Process-local index; `clock` returns seconds (simulation time or monotonic)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._confirmed: dict[str, set[int]] = {}
+        # replica -> first hash -> [(expires_at, chain)]
+        self._speculative: dict[str, dict[int, list[tuple[float, Sequence[int]]]]] = {}
+        self.stored_total = 0
+        self.removed_total = 0
+
+    # -- writes ----------------------------------------------------------------------------------
+    def record_stored(self, replica_id: str, hashes: Sequence[int]) -> None:
+        self._confirmed.setdefault(replica_id, set()).update(hashes)
+        self.stored_total += len(hashes)
+
+    def record_removed(self, replica_id: str, hashes: Sequence[int]) -> None:
+        held = self._confirmed.get(replica_id)
+        if held is not None:
+            held.difference_update(hashes)
+        self.removed_total += len(hashes)
+
+    def clear(self, replica_id: str) -> None:
+        self._confirmed.pop(replica_id, None)
+        self._speculative.pop(replica_id, None)
+
+    def speculate(self, replica_id: str, hashes: Sequence[int], ttl_s: float) -> None:
+        if not hashes or ttl_s <= 0:
+            return
+        now = self._clock()
+        by_first = self._speculative.setdefault(replica_id, {})
+        entries = by_first.setdefault(hashes[0], [])
+        entries[:] = [(exp, chain) for exp, chain in entries if exp > now]
+        entries.append((now + ttl_s, hashes))
+
+    # -- reads -----------------------------------------------------------------------------------
+    def lookup(self, hashes: Sequence[int], candidates: Sequence[str]) -> dict[str, PrefixMatch]:
+        out: dict[str, PrefixMatch] = {}
+        if not hashes:
+            return out
+        now = self._clock()
+        first = hashes[0]
+        for rid in candidates:
+            held = self._confirmed.get(rid)
+            confirmed = sum(1 for _ in takewhile(held.__contains__, hashes)) if held else 0
+            spec = 0
+            by_first = self._speculative.get(rid)
+            if by_first is not None:
+                entries = by_first.get(first)
+                if entries:
+                    live = [(exp, chain) for exp, chain in entries if exp > now]
+                    if len(live) != len(entries):
+                        if live:
+                            by_first[first] = live
+                        else:
+                            del by_first[first]
+                    for _exp, chain in live:
+                        spec = max(spec, _common_prefix(hashes, chain))
+            matched = confirmed
+            if spec > confirmed:
+                matched = spec
+                if held:
+                    matched += sum(
+                        1 for _ in takewhile(held.__contains__, islice(hashes, spec, None))
+                    )
+            if matched:
+                out[rid] = PrefixMatch(rid, matched, confirmed)
+        return out
+
+    def held_blocks(self, replica_id: str) -> int:
+        return len(self._confirmed.get(replica_id, ()))

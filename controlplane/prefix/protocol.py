@@ -1,0 +1,38 @@
+"""The `PrefixIndex` protocol: which replica holds which KV blocks.
+
+Keys are chained block hashes (block size = the engine's), so an equal hash at position i means
+an equal prefix up to block i. Entries are either *confirmed* (a KV event said the replica stored
+the block) or *speculative* (a router sent a request there and expects the replica to compute the
+blocks; these expire after a TTL unless events confirm them). A lookup returns, per candidate
+replica, how many leading blocks of the query it holds: the first block held by neither kind ends
+the match, as vLLM's own lookup stops at the first miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from controlplane.types import PrefixMatch
+
+
+class PrefixIndex(Protocol):
+    def lookup(self, hashes: Sequence[int], candidates: Sequence[str]) -> dict[str, PrefixMatch]:
+        """Leading blocks of `hashes` held by each candidate (absent = no match)."""
+        ...
+
+    def record_stored(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """A KV event: the replica stored these blocks."""
+        ...
+
+    def record_removed(self, replica_id: str, hashes: Sequence[int]) -> None:
+        """A KV event: the replica evicted these blocks."""
+        ...
+
+    def clear(self, replica_id: str) -> None:
+        """Forget everything about a replica (AllBlocksCleared, restart, removal)."""
+        ...
+
+    def speculate(self, replica_id: str, hashes: Sequence[int], ttl_s: float) -> None:
+        """Routing-time entry: the replica is about to compute this chain."""
+        ...

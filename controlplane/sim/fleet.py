@@ -1,0 +1,439 @@
+"""The fleet simulator: replicas, routers and a shared prefix index on one event heap.
+
+Everything happens at simulated times popped from a single heap (the injected clock):
+
+    ARRIVAL   a trace request reaches router (i mod R): index lookup -> snapshot -> policy ->
+              reservation + speculative index entry -> the replica's waiting queue
+    STEP      a replica's step (or fast-forwarded decode run) ends: outputs, first tokens and
+              completions go back to the router that sent them; the next step is scheduled
+    KV        KV events reach the shared index (after `kv_event_delay_s`; evictions after an
+              extra `eviction_notice_delay_s`)
+    SCRAPE    every `scrape_interval_s` the routers read each replica's metrics (running,
+              waiting, KV usage); 0 means metrics are always fresh
+    CONTROL   a replica joins (ready after its load time) or leaves (drains, or dies)
+
+Routers only ever see what a live router sees: scraped metrics, their own ledger, index lookups.
+The policy objects are the live router's (router.policies); one instance per router.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from controlplane.prefix.memory import InMemoryPrefixIndex
+from controlplane.roofline.profile import EngineProfile
+from controlplane.sim.engine import SimEngine
+from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from controlplane.sim.request import EngineRequest, Status, priority_value
+from controlplane.sim.results import FleetResult, ReplicaStats, RequestRecord
+from controlplane.traces.model import Trace
+from controlplane.types import (
+    Decision,
+    DecisionReason,
+    EngineMetrics,
+    FleetSnapshot,
+    Ledger,
+    Phase,
+    ReplicaState,
+    RoutingRequest,
+)
+from router.interfaces import RoutingPolicy
+from router.ledger import RouterLedger
+from router.predictor import OutputLengthPredictor
+
+ARRIVAL, STEP, KV, SCRAPE, CONTROL = range(5)
+_JOIN, _READY, _LEAVE, _KILL = range(4)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """How the simulated fleet and its routers behave."""
+
+    profile: EngineProfile
+    replicas: int = 8
+    routers: int = 1
+    reservations: bool = True
+    speculative: bool = True
+    speculative_ttl_s: float = 30.0
+    kv_event_delay_s: float = 0.0
+    eviction_notice_delay_s: float = 0.0
+    scrape_interval_s: float = 0.5
+    oracle_output: bool = False
+    priority_policy: bool = False
+    fast_forward: bool = True
+
+
+@dataclass(slots=True)
+class _Replica:
+    rid: str
+    engine: SimEngine
+    phase: Phase
+    incarnation: int = 0
+    version: int = 0
+    metrics: EngineMetrics = field(default_factory=EngineMetrics)
+    joined_s: float = 0.0
+    ready_s: float = 0.0
+    left_s: float = -1.0
+
+
+@dataclass(slots=True)
+class _Router:
+    policy: RoutingPolicy
+    ledger: RouterLedger
+    predictor: OutputLengthPredictor
+
+
+class FleetSim:
+    """One simulated fleet. Build, optionally schedule joins/leaves, then `run(trace)` once."""
+
+    def __init__(self, config: FleetConfig, policy_factory: Callable[[], RoutingPolicy]) -> None:
+        self.config = config
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, object, object]] = []
+        self._seq = itertools.count()
+        self.index = InMemoryPrefixIndex(clock=lambda: self.now)
+        self.replicas: list[_Replica] = []
+        self._by_id: dict[str, _Replica] = {}
+        self.routers = [
+            _Router(
+                policy_factory(),
+                RouterLedger(),
+                OutputLengthPredictor(oracle=config.oracle_output),
+            )
+            for _ in range(max(1, config.routers))
+        ]
+        for _ in range(config.replicas):
+            self._new_replica(Phase.READY, 0.0)
+        self.records: list[RequestRecord] = []
+        self._routing: dict[int, tuple[RoutingRequest, _Router, _Replica, Decision]] = {}
+        self.kv_events_applied = 0
+
+    # -- fleet changes ---------------------------------------------------------------------------
+    def _new_replica(self, phase: Phase, now: float) -> _Replica:
+        cfg = self.config
+        rid = f"replica-{len(self.replicas)}"
+        engine = SimEngine(
+            cfg.profile,
+            events_enabled=True,
+            priority_policy=cfg.priority_policy,
+            fast_forward=cfg.fast_forward,
+        )
+        rep = _Replica(rid, engine, phase, joined_s=now, ready_s=now)
+        self.replicas.append(rep)
+        self._by_id[rid] = rep
+        return rep
+
+    def schedule_join(self, at_s: float, load_time_s: float) -> None:
+        """A replica starts loading at `at_s` and serves from `at_s + load_time_s`."""
+        self._push(at_s, CONTROL, _JOIN, load_time_s)
+
+    def schedule_leave(self, at_s: float, replica_id: str, *, drain: bool = True) -> None:
+        """A replica stops taking requests at `at_s`; it finishes them (drain) or dies."""
+        self._push(at_s, CONTROL, _LEAVE if drain else _KILL, replica_id)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), kind, a, b))
+
+    def run(
+        self,
+        trace: Trace,
+        *,
+        block_hashes: Sequence[Sequence[int]] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> FleetResult:
+        wall0 = time.perf_counter()
+        cfg = self.config
+        bs = cfg.profile.resolved_block_size
+        reqs = trace.requests
+        if block_hashes is None:
+            block_hashes = [r.engine_block_hashes(bs) for r in reqs]
+        t0 = reqs[0].arrival_s if reqs else 0.0
+        for i, r in enumerate(reqs):
+            self._push(r.arrival_s - t0, ARRIVAL, i)
+        if cfg.scrape_interval_s > 0:
+            self._push(0.0, SCRAPE)
+        heap, pop = self._heap, heapq.heappop
+        arrivals_left = len(reqs)
+        done = 0
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            self.now = t
+            if kind == STEP:
+                rep = self._by_id[a]  # type: ignore[index]
+                if b == rep.version:
+                    self._on_step_end(rep, t)
+            elif kind == ARRIVAL:
+                i = int(a)  # type: ignore[call-overload]
+                self._on_arrival(i, reqs[i], block_hashes[i], t)
+                arrivals_left -= 1
+                done += 1
+                if progress is not None and done % 256 == 0:
+                    progress(done)
+            elif kind == KV:
+                self._apply_events(a, b)  # type: ignore[arg-type]
+            elif kind == SCRAPE:
+                self._scrape(t)
+                if arrivals_left or any(not rep.engine.idle for rep in self.replicas):
+                    self._push(t + cfg.scrape_interval_s, SCRAPE)
+            else:
+                self._on_control(a, b, t)  # type: ignore[arg-type]
+        if progress is not None:
+            progress(done)
+        wall = time.perf_counter() - wall0
+        stats = [
+            ReplicaStats(
+                replica_id=rep.rid,
+                busy_s=rep.engine.busy_s,
+                steps=rep.engine.steps,
+                tokens_out=rep.engine.tokens_out,
+                prefix_queries=rep.engine.sched.prefix_queries,
+                prefix_hits=rep.engine.sched.prefix_hits,
+                preemptions=rep.engine.sched.num_preemptions,
+                joined_s=rep.joined_s,
+                ready_s=rep.ready_s,
+                left_s=rep.left_s if rep.left_s >= 0 else self.now,
+            )
+            for rep in self.replicas
+        ]
+        return FleetResult(
+            records=self.records,
+            replicas=stats,
+            simulated_s=self.now,
+            wall_s=wall,
+            trace_span_s=trace.duration_s,
+            kv_events_applied=self.kv_events_applied,
+        )
+
+    # -- handlers --------------------------------------------------------------------------------
+    def _snapshot(self, router: _Router, now: float) -> FleetSnapshot:
+        live = self.config.scrape_interval_s <= 0
+        use_ledger = self.config.reservations
+        states = []
+        for rep in self.replicas:
+            if rep.phase is Phase.DEAD:
+                continue
+            eng = rep.engine
+            metrics = (
+                EngineMetrics(eng.num_running, eng.num_waiting, eng.pool.usage, now)
+                if live
+                else rep.metrics
+            )
+            ledger = router.ledger.view(rep.rid) if use_ledger else Ledger()
+            if live and use_ledger and ledger.unscraped_requests:
+                ledger = _visible(ledger)
+            states.append(
+                ReplicaState(
+                    replica_id=rep.rid,
+                    profile=eng.profile,
+                    phase=rep.phase,
+                    incarnation=rep.incarnation,
+                    metrics=metrics,
+                    ledger=ledger,
+                )
+            )
+        return FleetSnapshot(tuple(states), now)
+
+    def _on_arrival(self, i: int, tr: object, hashes: Sequence[int], now: float) -> None:
+        from controlplane.traces.model import TraceRequest
+
+        assert isinstance(tr, TraceRequest)
+        cfg = self.config
+        router = self.routers[i % len(self.routers)]
+        rid = tr.request_id or f"req-{i}"
+        predicted = router.predictor.predict(
+            tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
+        )
+        rreq = RoutingRequest(
+            request_id=rid,
+            prompt_tokens=tr.prompt_tokens,
+            block_hashes=tuple(hashes),
+            tenant=tr.tenant,
+            priority=tr.priority,
+            max_tokens=tr.max_tokens,
+            predicted_output_tokens=predicted,
+            session_key=tr.session_key,
+            arrival_s=now,
+        )
+        record = RequestRecord(
+            request_id=rid,
+            tenant=tr.tenant,
+            priority=tr.priority.value,
+            arrival_s=now,
+            prompt_tokens=tr.prompt_tokens,
+            output_tokens=max(1, tr.output_tokens),
+            router=i % len(self.routers),
+        )
+        self.records.append(record)
+        snapshot = self._snapshot(router, now)
+        candidates = [r.replica_id for r in snapshot.replicas if r.routable]
+        matches = self.index.lookup(rreq.block_hashes, candidates) if candidates else {}
+        decision = router.policy.choose(rreq, snapshot, matches)
+        record.reason = decision.reason.value
+        record.expected_hit_blocks = decision.expected_hit_blocks
+        if decision.replica_id is None:
+            record.rejected = "no_ready_replica"
+            return
+        rep = self._by_id[decision.replica_id]
+        record.replica = rep.rid
+        engine = rep.engine
+        if not engine.fits(tr.prompt_tokens, max(1, tr.output_tokens)):
+            record.rejected = "too_long"
+            record.reason = DecisionReason.NO_HEALTHY_REPLICA.value
+            return
+        router.policy.on_routed(rreq, decision)
+        bs = engine.block_size
+        hit_tokens = min(decision.expected_hit_blocks, (tr.prompt_tokens - 1) // bs) * bs
+        router.ledger.reserve(
+            rid, rep.rid, tr.prompt_tokens, tr.prompt_tokens - hit_tokens, predicted, now
+        )
+        if cfg.speculative and hashes:
+            self.index.speculate(rep.rid, rreq.block_hashes, cfg.speculative_ttl_s)
+        ereq = EngineRequest(
+            rid,
+            i,
+            tr.prompt_tokens,
+            max(1, tr.output_tokens),
+            hashes,
+            now,
+            priority=priority_value(tr.priority),
+            tag=record,
+        )
+        self._routing[i] = (rreq, router, rep, decision)
+        if engine.add_request(ereq, now) or engine.idle:
+            self._restart(rep, now)
+
+    def _restart(self, rep: _Replica, now: float) -> None:
+        """(Re)schedule the replica's step-end event after a cut or when it was idle."""
+        eng = rep.engine
+        rep.version += 1
+        end = eng.busy_until if not eng.idle else eng.start(now)
+        self._publish(rep, now)
+        if end is not None:
+            self._push(end, STEP, rep.rid, rep.version)
+
+    def _on_step_end(self, rep: _Replica, now: float) -> None:
+        eng = rep.engine
+        eng.complete(now)
+        first, finished = eng.drain()
+        for req in first:
+            rreq, router, _rep, _ = self._routing[req.uid]
+            router.ledger.first_token(rreq.request_id)
+            router.policy.on_first_token(rreq, rep.rid)
+        for req in finished:
+            self._finish(req, now)
+        end = eng.start(now)
+        self._publish(rep, now)
+        if end is not None:
+            self._push(end, STEP, rep.rid, rep.version)
+        elif rep.phase is Phase.DRAINING and not eng.num_waiting:
+            self._retire(rep, now)
+
+    def _finish(self, req: EngineRequest, now: float, failed: str = "") -> None:
+        rreq, router, rep, _ = self._routing.pop(req.uid)
+        record = req.tag
+        assert isinstance(record, RequestRecord)
+        record.first_token_s = req.first_token_s
+        record.finish_s = now
+        record.cached_tokens = max(0, req.cached_tokens)
+        record.preemptions = req.preemptions
+        if failed:
+            record.rejected = failed
+        router.ledger.release(rreq.request_id)
+        router.policy.on_finished(rreq, rep.rid)
+        if not failed:
+            router.predictor.observe(rreq.tenant, rreq.prompt_tokens, req.num_output)
+
+    def _publish(self, rep: _Replica, now: float) -> None:
+        events = rep.engine.take_events()
+        if not events:
+            return
+        cfg = self.config
+        removals: list[KVEvent] = []
+        if cfg.eviction_notice_delay_s > 0:
+            removals = [e for e in events if isinstance(e, BlockRemoved)]
+            events = [e for e in events if not isinstance(e, BlockRemoved)]
+        key = (rep.rid, rep.incarnation)
+        if cfg.kv_event_delay_s > 0:
+            self._push(now + cfg.kv_event_delay_s, KV, key, events)
+        else:
+            self._apply_events(key, events)
+        if removals:
+            delay = cfg.kv_event_delay_s + cfg.eviction_notice_delay_s
+            self._push(now + delay, KV, key, removals)
+
+    def _apply_events(self, key: tuple[str, int], events: list[KVEvent]) -> None:
+        rid, incarnation = key
+        rep = self._by_id.get(rid)
+        if rep is None or rep.incarnation != incarnation or rep.phase is Phase.DEAD:
+            return
+        index = self.index
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                index.record_stored(rid, ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                index.record_removed(rid, ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                index.clear(rid)
+            self.kv_events_applied += 1
+
+    def _scrape(self, now: float) -> None:
+        for rep in self.replicas:
+            eng = rep.engine
+            rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.pool.usage, now)
+            for router in self.routers:
+                router.ledger.scraped(rep.rid, now)
+
+    def _on_control(self, op: int, arg: object, now: float) -> None:
+        if op == _JOIN:
+            rep = self._new_replica(Phase.LOADING, now)
+            self._push(now + float(arg), CONTROL, _READY, rep.rid)  # type: ignore[arg-type]
+        elif op == _READY:
+            rep = self._by_id[str(arg)]
+            if rep.phase is Phase.LOADING:
+                rep.phase = Phase.READY
+                rep.ready_s = now
+        elif op == _LEAVE:
+            rep = self._by_id[str(arg)]
+            if rep.phase in (Phase.READY, Phase.LOADING):
+                rep.phase = Phase.DRAINING
+                if rep.engine.idle and not rep.engine.num_waiting:
+                    self._retire(rep, now)
+        else:
+            rep = self._by_id[str(arg)]
+            self._kill(rep, now)
+
+    def _retire(self, rep: _Replica, now: float) -> None:
+        rep.phase = Phase.DEAD
+        rep.left_s = now
+        self.index.clear(rep.rid)
+
+    def _kill(self, rep: _Replica, now: float) -> None:
+        eng = rep.engine
+        victims = list(eng.sched.running) + list(eng.sched.waiting)
+        for req in victims:
+            eng.abort(req, now)
+            self._finish(req, now, failed="replica_died")
+        rep.version += 1
+        eng.busy_until = None
+        self._retire(rep, now)
+
+
+def _visible(ledger: Ledger) -> Ledger:
+    """With always-fresh metrics nothing this router sent is invisible."""
+    return Ledger(
+        requests=ledger.requests,
+        prefill_tokens=ledger.prefill_tokens,
+        pending_prompt_tokens=ledger.pending_prompt_tokens,
+        decoding=ledger.decoding,
+        decode_tokens=ledger.decode_tokens,
+        context_tokens=ledger.context_tokens,
+        unscraped_requests=0,
+    )
+
+
+__all__ = ["FleetConfig", "FleetSim", "Status"]

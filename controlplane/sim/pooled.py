@@ -1,0 +1,55 @@
+"""The pooled-cache ceiling: the hit rate of one replica holding the whole fleet's KV.
+
+Requests are replayed in arrival order through a single `BlockPool` with `replicas x` the blocks of
+one replica, with vLLM's block semantics (full blocks only, at most (N - 1) // B blocks reused,
+LRU eviction, a request's blocks freed tail first) but no concurrency: each request holds its
+blocks only while it is processed. No routing policy can beat it on the same KV budget, since any
+split of the cache across replicas can only lose hits; the replay report shows each policy's hit
+rate as a fraction of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from controlplane.roofline.profile import EngineProfile
+from controlplane.sim.block_pool import BlockPool
+from controlplane.sim.request import UNIQUE_TAG
+from controlplane.traces.model import Trace
+
+
+def pooled_hit_rate(
+    trace: Trace,
+    profile: EngineProfile,
+    replicas: int,
+    block_hashes: Sequence[Sequence[int]] | None = None,
+    *,
+    num_blocks: int | None = None,
+) -> float:
+    """Prompt tokens served from cache / prompt tokens for one pool of `replicas` replicas' KV."""
+    bs = profile.resolved_block_size
+    blocks = num_blocks if num_blocks is not None else profile.num_gpu_blocks * replicas
+    pool = BlockPool(blocks, bs)
+    hit_tokens = prompt_tokens = 0
+    max_len = profile.resolved_max_model_len
+    for uid, req in enumerate(trace.requests):
+        n, m = req.prompt_tokens, max(1, req.output_tokens)
+        if n + m > max_len:
+            continue
+        known = block_hashes[uid] if block_hashes is not None else req.engine_block_hashes(bs)
+        total_blocks = -(-(n + m - 1) // bs)
+        if total_blocks > blocks - 1:
+            continue
+        hits = pool.longest_cached_prefix(known, (n - 1) // bs)
+        pool.touch(hits)
+        new = pool.allocate(total_blocks - len(hits))
+        full = (n + m - 1) // bs
+        hashes = [
+            known[j] if j < len(known) else UNIQUE_TAG | (uid << 24) | j
+            for j in range(len(hits), full)
+        ]
+        pool.cache(new[: len(hashes)], hashes, None)
+        pool.free((hits + new)[::-1])
+        hit_tokens += len(hits) * bs
+        prompt_tokens += n
+    return hit_tokens / prompt_tokens if prompt_tokens else 0.0

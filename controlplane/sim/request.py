@@ -1,0 +1,125 @@
+"""A request inside a simulated engine (vLLM's `Request`, without tokens unless given)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import IntEnum
+
+from controlplane.types import PriorityClass
+
+# Hashes of blocks whose content nobody else can have (generated text, unique prompts) are
+# `UNIQUE_TAG | uid << 24 | block index`: disjoint from trace ids, stable for a request.
+UNIQUE_TAG = 1 << 62
+
+
+class Status(IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED = 3
+    REJECTED = 4
+
+
+class EngineRequest:
+    """Mutable per-request engine state. Times are simulation seconds."""
+
+    __slots__ = (
+        "arrival_s",
+        "blocks",
+        "cached_tokens",
+        "finish_s",
+        "first_scheduled_s",
+        "first_token_s",
+        "known_hashes",
+        "max_output",
+        "num_cached_blocks",
+        "num_computed",
+        "num_output",
+        "preemptions",
+        "priority",
+        "prompt_tokens",
+        "queue_key",
+        "request_id",
+        "status",
+        "tag",
+        "token_ids",
+        "uid",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        uid: int,
+        prompt_tokens: int,
+        max_output: int,
+        known_hashes: Sequence[int],
+        arrival_s: float,
+        priority: int = 0,
+        token_ids: list[int] | None = None,
+        tag: object = None,
+    ) -> None:
+        self.request_id = request_id
+        self.uid = uid
+        self.prompt_tokens = prompt_tokens
+        self.max_output = max(1, max_output)
+        # hashes of the blocks whose content the trace knows (usually the prompt's full blocks)
+        self.known_hashes = known_hashes
+        self.arrival_s = arrival_s
+        # vLLM priority: lower value is served first
+        self.priority = priority
+        self.token_ids = token_ids
+        # opaque handle for whoever submitted the request (the fleet keeps its record here)
+        self.tag = tag
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.num_output = 0
+        self.blocks: list[int] = []
+        self.num_cached_blocks = 0
+        self.preemptions = 0
+        # prompt tokens served from the prefix cache at first admission (usage.cached_tokens)
+        self.cached_tokens = -1
+        self.first_scheduled_s = -1.0
+        self.first_token_s = -1.0
+        self.finish_s = -1.0
+        # FCFS / priority ordering key (priority, arrival, sequence)
+        self.queue_key: tuple[int, float, int] = (priority, arrival_s, uid)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens (vLLM's `num_tokens`)."""
+        return self.prompt_tokens + self.num_output
+
+    @property
+    def remaining_output(self) -> int:
+        return self.max_output - self.num_output
+
+    def block_hash(self, index: int) -> int:
+        """Chained hash of block `index`; blocks beyond the known content are unique."""
+        if index < len(self.known_hashes):
+            return self.known_hashes[index]
+        return UNIQUE_TAG | (self.uid << 24) | index
+
+    def block_hashes(self, start: int, stop: int) -> list[int]:
+        known = self.known_hashes
+        if stop <= len(known):
+            return list(known[start:stop])
+        return [self.block_hash(i) for i in range(start, stop)]
+
+    def lookup_hashes(self, block_size: int) -> Sequence[int]:
+        """Hashes of every full block of the current token sequence (prompt + output)."""
+        full = self.num_tokens // block_size
+        if full <= len(self.known_hashes):
+            return self.known_hashes
+        return self.block_hashes(0, full)
+
+    def __repr__(self) -> str:
+        return (
+            f"EngineRequest({self.request_id}, prompt={self.prompt_tokens}, "
+            f"out={self.num_output}/{self.max_output}, computed={self.num_computed}, "
+            f"status={self.status.name})"
+        )
+
+
+def priority_value(priority: PriorityClass) -> int:
+    """vLLM priority for a class: interactive (0) is served before batch (1)."""
+    return 0 if priority is PriorityClass.INTERACTIVE else 1

@@ -1,0 +1,245 @@
+"""One scheduling decision of vLLM v1's scheduler (`vllm/v1/core/sched/scheduler.py`).
+
+There are no prefill and decode phases, only "num_computed catches up with num_tokens" under a
+token budget (`max_num_batched_tokens`). Each step:
+
+1. Running requests, in order: schedule `min(num_tokens - num_computed, budget)` new tokens. If
+   their KV slots cannot be allocated, preempt the last running request (FCFS) or the one with
+   the worst (priority, arrival) (priority policy), by recompute: free its blocks, reset
+   `num_computed` to 0, put it back in front of the waiting queue. Retry until it fits or the
+   request preempted itself.
+2. Waiting requests, only if nothing was preempted this step and fewer than `max_num_seqs` run:
+   look up the longest cached prefix (at most `(num_tokens - 1) // block_size` blocks: the last
+   token is always recomputed to get logits), allocate slots for the rest of the chunk, admit.
+   Stop at the first request that cannot be allocated.
+
+Blocks are hashed and published as soon as they are scheduled (`cache_blocks` inside
+`allocate_slots`), so a request admitted later in the same step already hits them. Prefix-cache
+stats (`vllm:prefix_cache_queries`/`hits`) are recorded at admission.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from controlplane.sim.block_pool import BlockPool
+from controlplane.sim.request import EngineRequest, Status
+
+
+class WaitingQueue:
+    """FCFS: a deque; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[EngineRequest] = deque()
+
+    def add(self, req: EngineRequest) -> None:
+        self._q.append(req)
+
+    def prepend(self, req: EngineRequest) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> EngineRequest:
+        return self._q[0]
+
+    def pop(self) -> EngineRequest:
+        return self._q.popleft()
+
+    def remove(self, req: EngineRequest) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._q)
+
+
+class PriorityWaitingQueue(WaitingQueue):
+    """Priority policy: a heap on (priority, arrival, sequence); preempted ones re-enter by key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._h: list[tuple[tuple[int, float, int], EngineRequest]] = []
+
+    def add(self, req: EngineRequest) -> None:
+        heapq.heappush(self._h, (req.queue_key, req))
+
+    prepend = add
+
+    def peek(self) -> EngineRequest:
+        return self._h[0][1]
+
+    def pop(self) -> EngineRequest:
+        return heapq.heappop(self._h)[1]
+
+    def remove(self, req: EngineRequest) -> None:
+        self._h = [(k, r) for k, r in self._h if r is not req]
+        heapq.heapify(self._h)
+
+    def __len__(self) -> int:
+        return len(self._h)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(r for _, r in sorted(self._h))
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """What one step computes, and the batch totals the roofline needs."""
+
+    # (request, tokens scheduled, num_computed before the step)
+    scheduled: list[tuple[EngineRequest, int, int]] = field(default_factory=list)
+    preempted: list[EngineRequest] = field(default_factory=list)
+    tokens: int = 0
+    kv_read: int = 0
+    pairs: float = 0.0
+    samples: int = 0
+    # True when the head of the waiting queue could not get KV slots
+    admission_blocked: bool = False
+
+
+class Scheduler:
+    """Running/waiting queues and the KV cache manager around one `BlockPool`."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        priority_policy: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.priority_policy = priority_policy
+        self.running: list[EngineRequest] = []
+        self.waiting: WaitingQueue = PriorityWaitingQueue() if priority_policy else WaitingQueue()
+        # vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens), vllm:num_preemptions
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.num_preemptions = 0
+
+    # -- KV cache manager ----------------------------------------------------------------------
+    def _allocate_slots(
+        self, req: EngineRequest, num_new: int, hit_blocks: list[int] | None = None
+    ) -> bool:
+        pool, bs = self.pool, self.block_size
+        num_hit = len(hit_blocks) if hit_blocks else 0
+        computed = req.num_computed + num_hit * bs
+        need_tokens = min(computed + num_new, self.max_model_len)
+        required = -(-need_tokens // bs)
+        new_blocks = required - num_hit - len(req.blocks)
+        evictable = pool.evictable_among(hit_blocks) if hit_blocks else 0
+        if new_blocks + evictable > pool.num_free:
+            return False
+        if hit_blocks:
+            pool.touch(hit_blocks)
+            req.blocks.extend(hit_blocks)
+            req.num_cached_blocks = len(req.blocks)
+        if new_blocks > 0:
+            req.blocks.extend(pool.allocate(new_blocks))
+        if pool.enable_caching:
+            full = min(computed + num_new, req.num_tokens) // bs
+            start = req.num_cached_blocks
+            if full > start:
+                parent = req.block_hash(start - 1) if start else None
+                pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
+                req.num_cached_blocks = full
+        return True
+
+    def free(self, req: EngineRequest) -> None:
+        self.pool.free(req.blocks[::-1])
+        req.blocks = []
+        req.num_cached_blocks = 0
+
+    def _preempt(self, req: EngineRequest) -> None:
+        self.free(req)
+        req.status = Status.PREEMPTED
+        req.num_computed = 0
+        req.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(req)
+
+    # -- one step --------------------------------------------------------------------------------
+    def schedule(self) -> StepBatch:
+        batch = StepBatch()
+        budget = self.max_num_batched_tokens
+        running = self.running
+        scheduled = batch.scheduled
+        i = 0
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = min(req.num_tokens - req.num_computed, budget)
+            num_new = min(num_new, self.max_model_len - 1 - req.num_computed)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if self._allocate_slots(req, num_new):
+                    ok = True
+                    break
+                victim = self._pick_victim()
+                running.remove(victim)
+                for k, (r, n, _) in enumerate(scheduled):
+                    if r is victim:
+                        del scheduled[k]
+                        budget += n
+                        i -= 1
+                        break
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    ok = False
+                    break
+            if not ok:
+                break
+            scheduled.append((req, num_new, req.num_computed))
+            budget -= num_new
+            i += 1
+
+        if not batch.preempted:
+            waiting = self.waiting
+            while len(waiting) and budget > 0 and len(running) < self.max_num_seqs:
+                req = waiting.peek()
+                max_hit_blocks = (req.num_tokens - 1) // self.block_size
+                hit_blocks = self.pool.longest_cached_prefix(
+                    req.lookup_hashes(self.block_size), max_hit_blocks
+                )
+                num_computed = len(hit_blocks) * self.block_size
+                num_new = min(req.num_tokens - num_computed, budget)
+                if not self._allocate_slots(req, num_new, hit_blocks):
+                    batch.admission_blocked = True
+                    break
+                self.prefix_queries += req.num_tokens
+                self.prefix_hits += num_computed
+                if req.cached_tokens < 0:
+                    req.cached_tokens = num_computed
+                waiting.pop()
+                running.append(req)
+                req.status = Status.RUNNING
+                req.num_computed = num_computed
+                scheduled.append((req, num_new, num_computed))
+                budget -= num_new
+
+        # batch totals for the roofline; num_computed advances now, as in vLLM
+        tokens = kv_read = samples = 0
+        pairs = 0.0
+        for req, n, c in scheduled:
+            tokens += n
+            kv_read += c + n
+            pairs += n * c + n * (n + 1) / 2
+            samples += 1
+            req.num_computed = c + n
+        batch.tokens, batch.kv_read, batch.pairs, batch.samples = tokens, kv_read, pairs, samples
+        return batch
+
+    def _pick_victim(self) -> EngineRequest:
+        if self.priority_policy:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_s, r.uid))
+        return self.running[-1]
