@@ -18,12 +18,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-run: $(STAMP) ## replay the bundled Mooncake excerpt through every routing policy
-	$(BIN)/controlplane replay --trace mooncake --densest 600 --rate-scale 3 \
+run: $(STAMP) ## replay the Mooncake trace at 3x through three routing policies (8 x H100)
+	$(BIN)/controlplane replay --trace mooncake --rate-scale 3 \
+		--policies round_robin,prefix_affinity,predicted_finish \
 		--json $(OUT)/run.json --plot $(OUT)/run.png
 
-demo: $(STAMP) ## saturate 8 H100 replicas with a Mooncake burst; table + out/demo.{json,png}
-	$(BIN)/controlplane replay --trace mooncake --densest 1200 --rate-scale 3 \
+demo: $(STAMP) ## saturate 8 H100 replicas with the Mooncake trace at 3x; out/demo.{json,png}
+	$(BIN)/controlplane replay --trace mooncake --rate-scale 3 \
 		--replicas 8 --gpu h100 --model llama-3.1-8b \
 		--json $(OUT)/demo.json --plot $(OUT)/demo.png
 

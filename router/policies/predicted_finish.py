@@ -11,23 +11,36 @@ B tokens, predicted output O):
     U        = N - h * B                                   uncached prompt tokens
     P        = max(1, budget - D)                          prefill tokens per step beside decodes
     steps    = ceil((Q + U) / P), chunk = (Q + U) / steps  chunked prefill until our first token
-    t_mix    = step_time(D + chunk tokens, reads K + D + chunk, pairs K + chunk * (h*B + chunk/2))
-    TTFT     = steps * t_mix
+    pairs    = U * (h*B + U/2) + Q * L/2                   attention: ours, and queued prompts of
+                                                           mean length L (this router's ledger)
+    t_mix    = step_time(D + chunk tokens, reads K + D + chunk, pairs K + pairs / steps)
+    TTFT     = steps * t_mix (+ a KV wait when the cache cannot hold the request, below)
     TPOT     = decode_step_time(D + 1 sequences, K + N context)
-    finish   = ttft_weight * TTFT + (O - 1) * TPOT
+    work     = prefill time of the U uncached tokens alone on that replica
+    score    = ttft_weight * TTFT + (O - 1) * TPOT + congestion_weight * work
 
-and the minimum wins (ties by request hash). `budget` is the replica's max_num_batched_tokens.
-When the KV cache cannot hold the request's uncached tokens, the request also waits for running
-sequences to finish: `kv_wait = deficit / K * D_mean_remaining * TPOT`, a first-order estimate of
-how long the decoders take to release that many tokens. O(R) per request.
+and the lowest score wins (ties by request hash). `budget` is max_num_batched_tokens. When the KV
+cache cannot hold the request's uncached tokens, it also waits for decoders to finish:
+`kv_wait = deficit / K * mean remaining decode tokens * TPOT`.
 
-Parameters: `ttft_weight` (default 1.0; raise it to favour time-to-first-token over completion).
+Why the `work` term. A purely greedy "my own finish" choice sends a request away from the
+replica holding its prefix as soon as that replica's queue exceeds the prefill the cache would
+save. It then recomputes the prefix elsewhere: every second of that duplicated prefill is a
+second the new replica's stream of later requests waits. Charging each request the replica time
+it consumes (its own finish plus the GPU seconds it takes from everyone behind it) keeps prefixes
+where they are cached under load and still spreads cold requests by queue length. On the
+saturated Mooncake replay this moved the policy from the worst TTFT tail of the cache-aware
+policies to the best (docs/benchmarks.md).
+
+Parameters: `ttft_weight` (default 1.0), `congestion_weight` (default 1.0; 0 = purely greedy).
+O(R) per request.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 from controlplane.roofline.profile import EngineProfile
@@ -54,10 +67,16 @@ def cost_model(profile: EngineProfile) -> StepCostModel:
     return cost
 
 
-def predict_ttft_tpot(
-    request: RoutingRequest, replica: ReplicaState, matched_blocks: int
-) -> tuple[float, float]:
-    """Predicted (TTFT, TPOT) of `request` on `replica`, in seconds."""
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    ttft_s: float
+    tpot_s: float
+    # replica time this request's uncached prefill takes, alone
+    work_s: float
+
+
+def predict(request: RoutingRequest, replica: ReplicaState, matched_blocks: int) -> Prediction:
+    """Predicted TTFT, TPOT and prefill work of `request` on `replica`, in seconds."""
     prof = replica.profile
     cost = cost_model(prof)
     est = estimate(replica)
@@ -67,13 +86,20 @@ def predict_ttft_tpot(
     decodes = est.decoding
     context = est.context_tokens
     per_step = max(1.0, prof.resolved_max_num_batched_tokens - decodes)
-    total = est.prefill_tokens + uncached
+    queued = est.prefill_tokens
+    total = queued + uncached
     steps = max(1, math.ceil(total / per_step))
     chunk = total / steps
+    # attention work of the prefills: ours attends to its cached prefix and its own earlier
+    # tokens; a queued prompt of mean length L attends to about L / 2 earlier tokens per token
+    led = replica.ledger
+    waiting = max(1, led.requests - led.decoding)
+    mean_prompt = led.pending_prompt_tokens / waiting if led.pending_prompt_tokens else chunk
+    pairs = uncached * (hit_tokens + uncached / 2) + queued * mean_prompt / 2
     t_mix = cost.step_time(
         decodes + chunk,
         context + decodes + chunk,
-        context + chunk * (hit_tokens + chunk / 2),
+        context + pairs / steps,
         decodes + 1,
     )
     ttft = steps * t_mix
@@ -84,14 +110,21 @@ def predict_ttft_tpot(
     if deficit > 0 and decodes > 0:
         mean_remaining = est.decode_tokens / max(1.0, est.requests)
         ttft += min(1.0, deficit / max(1.0, context)) * mean_remaining * tpot
-    return ttft, tpot
+    per_token = cost.comp_per_token_s + cost.comp_per_pair_s * (hit_tokens + uncached / 2)
+    return Prediction(ttft, tpot, uncached * per_token * cost.other_factor)
 
 
 class PredictedFinish(PolicyBase):
     name: ClassVar[str] = "predicted_finish"
 
-    def __init__(self, *, ttft_weight: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        ttft_weight: float = 1.0,
+        congestion_weight: float = 1.0,
+    ) -> None:
         self.ttft_weight = ttft_weight
+        self.congestion_weight = congestion_weight
 
     def choose(
         self, request: RoutingRequest, snapshot: FleetSnapshot, matches: Mapping[str, PrefixMatch]
@@ -103,8 +136,12 @@ class PredictedFinish(PolicyBase):
 
         def finish(r: ReplicaState) -> float:
             m = matches.get(r.replica_id)
-            ttft, tpot = predict_ttft_tpot(request, r, m.matched_blocks if m else 0)
-            return self.ttft_weight * ttft + (out - 1) * tpot
+            p = predict(request, r, m.matched_blocks if m else 0)
+            return (
+                self.ttft_weight * p.ttft_s
+                + (out - 1) * p.tpot_s
+                + self.congestion_weight * p.work_s
+            )
 
         chosen, ranked, scores = rank_by(request, ready, finish)
         m = matches.get(chosen)

@@ -1,0 +1,380 @@
+"""Builders and checkers for the simulated-engine tests (like vLLM's tests/v1/core/utils.py).
+
+- `tiny_profile` / `make_pool` / `make_scheduler` / `make_engine`: engines with a handful of blocks.
+- `make_request`: an `EngineRequest` whose leading full blocks carry shared content hashes.
+- `step`: one scheduler step plus the engine's output bookkeeping, for driving a bare `Scheduler`.
+- `drive`: a small discrete-event loop (the fleet's, minus routing) that runs one engine over a
+  list of timed arrivals and records outputs, stats and the flattened KV event stream.
+- `check_pool` / `PoolGuard`: structural invariants of a `BlockPool`, and a teardown guard that
+  asserts no block is leaked once every request is done.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from controlplane.roofline.profile import EngineProfile, profile
+from controlplane.sim.block_pool import BlockPool
+from controlplane.sim.engine import SimEngine
+from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from controlplane.sim.request import EngineRequest, Status
+from controlplane.sim.scheduler import Scheduler, StepBatch
+
+BLOCK = 4
+
+# -- content hashes ----------------------------------------------------------------------------
+
+
+def content_hashes(group: int, n: int) -> list[int]:
+    """Chained hashes of the first `n` blocks of shared content `group` (disjoint from unique)."""
+    return [(group + 1) << 32 | j for j in range(n)]
+
+
+# -- profiles, pools, schedulers, engines ------------------------------------------------------
+
+
+def tiny_profile(
+    *,
+    block_size: int = BLOCK,
+    num_blocks: int = 16,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 1024,
+    enable_prefix_caching: bool = True,
+) -> EngineProfile:
+    return profile(
+        "h100",
+        "llama-3.1-8b",
+        block_size=block_size,
+        num_gpu_blocks_override=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+
+
+def make_pool(num_blocks: int = 8, block_size: int = BLOCK, *, events: bool = True) -> BlockPool:
+    return BlockPool(num_blocks, block_size, events_enabled=events)
+
+
+def make_scheduler(
+    *,
+    num_blocks: int = 16,
+    block_size: int = BLOCK,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 1024,
+    priority_policy: bool = False,
+    events: bool = True,
+) -> Scheduler:
+    pool = BlockPool(num_blocks, block_size, events_enabled=events)
+    return Scheduler(
+        pool,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        priority_policy=priority_policy,
+    )
+
+
+def make_engine(
+    *,
+    fast_forward: bool = True,
+    priority_policy: bool = False,
+    events: bool = True,
+    **knobs: int,
+) -> SimEngine:
+    return SimEngine(
+        tiny_profile(**knobs),  # type: ignore[arg-type]
+        events_enabled=events,
+        priority_policy=priority_policy,
+        fast_forward=fast_forward,
+    )
+
+
+_uids = itertools.count(1000)
+
+
+def make_request(
+    prompt_tokens: int,
+    max_output: int = 4,
+    *,
+    uid: int | None = None,
+    group: int | None = None,
+    shared_blocks: int | None = None,
+    known_hashes: Sequence[int] | None = None,
+    arrival_s: float = 0.0,
+    priority: int = 0,
+    block_size: int = BLOCK,
+    request_id: str | None = None,
+) -> EngineRequest:
+    """A request whose first `shared_blocks` full blocks (default: all) hold content `group`.
+
+    Without a group (and without explicit `known_hashes`) every block is unique to the request.
+    """
+    if uid is None:
+        uid = next(_uids)
+    if known_hashes is None:
+        if group is None:
+            known_hashes = []
+        else:
+            full = prompt_tokens // block_size
+            n = full if shared_blocks is None else min(shared_blocks, full)
+            known_hashes = content_hashes(group, n)
+    return EngineRequest(
+        request_id if request_id is not None else f"r{uid}",
+        uid,
+        prompt_tokens,
+        max_output,
+        list(known_hashes),
+        arrival_s,
+        priority=priority,
+    )
+
+
+# -- driving a bare scheduler ------------------------------------------------------------------
+
+
+def step(sched: Scheduler) -> tuple[StepBatch, list[EngineRequest]]:
+    """Schedule one step and apply its outputs as `SimEngine.complete` does; returns finished."""
+    batch = sched.schedule()
+    done: list[EngineRequest] = []
+    for req, _n, _c in batch.scheduled:
+        if req.status is not Status.RUNNING or req.num_computed < req.num_tokens:
+            continue
+        req.num_output += 1
+        if req.num_output >= req.max_output:
+            req.status = Status.FINISHED
+            sched.running.remove(req)
+            sched.free(req)
+            done.append(req)
+    return batch, done
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[StepBatch]:
+    batches: list[StepBatch] = []
+    while sched.running or len(sched.waiting):
+        batch, _ = step(sched)
+        batches.append(batch)
+        if len(batches) > max_steps:
+            raise AssertionError("scheduler made no progress")
+    return batches
+
+
+# -- KV events ---------------------------------------------------------------------------------
+
+FlatEvent = tuple[str, tuple[int, ...], int | None]
+
+
+def flatten_events(events: Iterable[KVEvent]) -> list[FlatEvent]:
+    """One entry per BlockStored call and one per removed hash (consumers treat merges alike)."""
+    out: list[FlatEvent] = []
+    for ev in events:
+        if isinstance(ev, BlockStored):
+            out.append(("stored", tuple(ev.block_hashes), ev.parent_block_hash))
+        elif isinstance(ev, BlockRemoved):
+            out.extend(("removed", (h,), None) for h in ev.block_hashes)
+        elif isinstance(ev, AllBlocksCleared):
+            out.append(("cleared", (), None))
+    return out
+
+
+# -- an event loop for one engine --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    request_id: str
+    num_output: int
+    first_token_s: float
+    finish_s: float
+    preemptions: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class DriveResult:
+    outcomes: dict[str, RequestOutcome]
+    prefix_queries: int
+    prefix_hits: int
+    preemptions: int
+    events: list[FlatEvent]
+    steps: int
+    tokens_out: int
+    # arrivals that cut a fast-forwarded decode run short
+    cuts: int = 0
+    end_s: float = 0.0
+    step_ends: list[float] = field(default_factory=list)
+
+
+_ARRIVAL, _STEP = 0, 1
+
+
+def drive(engine: SimEngine, arrivals: Sequence[tuple[float, EngineRequest]]) -> DriveResult:
+    """Run `engine` over timed arrivals with the fleet's event discipline.
+
+    Arrivals at a time equal to a step end are handled first (they are pushed first), an
+    arrival during a fast-forwarded run may cut it (`add_request` returns True) and then the
+    pending step end is re-pushed under a new version, exactly as `FleetSim` does.
+    """
+    heap: list[tuple[float, int, int, object, int]] = []
+    seq = itertools.count()
+    for t, req in sorted(arrivals, key=lambda p: p[0]):
+        heapq.heappush(heap, (t, next(seq), _ARRIVAL, req, 0))
+    version = 0
+    events: list[KVEvent] = []
+    cuts = 0
+    now = 0.0
+    step_ends: list[float] = []
+    reqs: list[EngineRequest] = [r for _, r in arrivals]
+    while heap:
+        now, _, kind, payload, ver = heapq.heappop(heap)
+        if kind == _ARRIVAL:
+            assert isinstance(payload, EngineRequest)
+            cut = engine.add_request(payload, now)
+            cuts += cut
+            if cut or engine.idle:
+                version += 1
+                end = engine.busy_until if not engine.idle else engine.start(now)
+                events.extend(engine.take_events())
+                if end is not None:
+                    heapq.heappush(heap, (end, next(seq), _STEP, None, version))
+        elif ver == version:
+            step_ends.append(now)
+            engine.complete(now)
+            engine.drain()
+            events.extend(engine.take_events())
+            end = engine.start(now)
+            events.extend(engine.take_events())
+            if end is not None:
+                heapq.heappush(heap, (end, next(seq), _STEP, None, version))
+    outcomes = {
+        r.request_id: RequestOutcome(
+            r.request_id, r.num_output, r.first_token_s, r.finish_s, r.preemptions, r.cached_tokens
+        )
+        for r in reqs
+    }
+    return DriveResult(
+        outcomes=outcomes,
+        prefix_queries=engine.sched.prefix_queries,
+        prefix_hits=engine.sched.prefix_hits,
+        preemptions=engine.sched.num_preemptions,
+        events=flatten_events(events),
+        steps=engine.steps,
+        tokens_out=engine.tokens_out,
+        cuts=cuts,
+        end_s=now,
+        step_ends=step_ends,
+    )
+
+
+# -- pool invariants ---------------------------------------------------------------------------
+
+
+def check_pool(pool: BlockPool, holders: Iterable[Sequence[int]] | None = None) -> None:
+    """Structural invariants of a pool; with `holders` (each one's block list), ref counts must
+    equal how many holders hold each block."""
+    n = pool.num_blocks
+    assert pool.ref_count(0) == 1, "the null block must stay referenced"
+    assert not pool.is_free(0)
+    queue = pool.free_queue()
+    assert len(queue) == len(set(queue)), f"free queue has duplicates: {queue}"
+    assert 0 not in queue
+    for b in queue:
+        assert pool.ref_count(b) == 0, f"block {b} is queued as free with ref {pool.ref_count(b)}"
+    queued = set(queue)
+    fresh = 0
+    hashed: dict[int, list[int]] = {}
+    for b in range(1, n):
+        ref = pool.ref_count(b)
+        assert ref >= 0, f"block {b} has negative ref count {ref}"
+        h = pool.block_hash(b)
+        if h is not None:
+            hashed.setdefault(h, []).append(b)
+        if ref == 0:
+            assert pool.is_free(b), f"unreferenced block {b} is not free (leaked)"
+            if b not in queued:
+                fresh += 1
+                assert h is None, f"never-used block {b} carries a hash"
+        else:
+            assert not pool.is_free(b), f"referenced block {b} is free"
+    assert pool.num_free == fresh + len(queue)
+    assert 0.0 <= pool.usage <= 1.0
+    assert pool.usage == 1.0 - pool.num_free / (n - 1)
+    # the cache index holds exactly the hashes of the blocks that carry one
+    cached: dict[int, int] = pool._cached
+    dups: dict[int, list[int]] = pool._dups
+    assert set(cached) == set(hashed), "cached hashes differ from the hashes blocks carry"
+    assert pool.num_cached == sum(len(v) for v in hashed.values())
+    for h, blocks in hashed.items():
+        copies = [cached[h], *dups.get(h, [])]
+        assert sorted(copies) == sorted(blocks), f"hash {h}: index {copies} vs blocks {blocks}"
+        found = pool.longest_cached_prefix([h], 1)
+        assert found == [cached[h]]
+        assert pool.block_hash(found[0]) == h
+    if holders is not None:
+        refs: dict[int, int] = {}
+        for blocks in holders:
+            assert len(blocks) == len(set(blocks)), f"{blocks} holds a block twice"
+            for b in blocks:
+                refs[b] = refs.get(b, 0) + 1
+        for b in range(1, n):
+            assert pool.ref_count(b) == refs.get(b, 0), (
+                f"block {b}: ref {pool.ref_count(b)} but {refs.get(b, 0)} holders"
+            )
+
+
+def check_scheduler(sched: Scheduler) -> None:
+    """Pool invariants with the running requests as the only holders."""
+    for r in sched.waiting:
+        assert not r.blocks, f"waiting request {r} holds blocks"
+    check_pool(sched.pool, [r.blocks for r in sched.running])
+
+
+class PoolGuard:
+    """Collects pools/schedulers/engines; on a clean exit asserts nothing is leaked.
+
+    Use as `with PoolGuard() as guard: guard.watch(engine)` or through a fixture that yields it.
+    At exit every watched scheduler must have no running or waiting request left, and every
+    pool must have all its usable blocks free with consistent ref counts and cache index.
+    """
+
+    def __init__(self) -> None:
+        self._pools: list[BlockPool] = []
+        self._scheds: list[Scheduler] = []
+
+    def watch(self, obj: BlockPool | Scheduler | SimEngine) -> None:
+        if isinstance(obj, SimEngine):
+            self._scheds.append(obj.sched)
+        elif isinstance(obj, Scheduler):
+            self._scheds.append(obj)
+        else:
+            self._pools.append(obj)
+
+    def check(self) -> None:
+        for sched in self._scheds:
+            assert not sched.running, f"requests still running: {sched.running}"
+            assert not len(sched.waiting), f"requests still waiting: {list(sched.waiting)}"
+            check_scheduler(sched)
+            pool = sched.pool
+            assert pool.num_free == pool.num_blocks - 1, "blocks leaked"
+        for pool in self._pools:
+            check_pool(pool)
+            assert pool.num_free == pool.num_blocks - 1, "blocks leaked"
+
+    def __enter__(self) -> PoolGuard:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.check()

@@ -1,0 +1,565 @@
+"""BlockPool: vLLM v1's free queue, prefix cache index and KV events, against a reference model."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+from sim_builders import FlatEvent, PoolGuard, check_pool, flatten_events, make_pool
+
+from controlplane.sim.block_pool import _COMPACT_AT, BlockPool
+from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+
+@pytest.fixture
+def guard() -> Iterator[PoolGuard]:
+    with PoolGuard() as g:
+        yield g
+
+
+# -- a literal reference model of vLLM's BlockPool ---------------------------------------------
+
+
+class ModelPool:
+    """vLLM's BlockPool written naively: every free block, fresh or not, sits in one queue."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.ref = [1] + [0] * (num_blocks - 1)
+        self.hash: list[int | None] = [None] * num_blocks
+        self.queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
+        # hash -> blocks holding it, in insertion order (vLLM's BlockHashToBlockMap)
+        self.index: dict[int, list[int]] = {}
+        self.events: list[FlatEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self.queue)
+
+    def lookup(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
+        out: list[int] = []
+        for h in hashes[:max_blocks]:
+            copies = self.index.get(h)
+            if not copies:
+                break
+            out.append(copies[0])
+        return out
+
+    def touch(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if self.ref[b] == 0:
+                del self.queue[b]
+            self.ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.queue)
+        out = []
+        for _ in range(n):
+            b, _ = self.queue.popitem(last=False)
+            assert self.ref[b] == 0, "handed out a referenced block"
+            h = self.hash[b]
+            if h is not None:
+                self.index[h].remove(b)
+                if not self.index[h]:
+                    del self.index[h]
+                self.hash[b] = None
+                self.events.append(("removed", (h,), None))
+            self.ref[b] = 1
+            out.append(b)
+        return out
+
+    def cache(self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None) -> None:
+        if not blocks:
+            return
+        for b, h in zip(blocks, hashes, strict=True):
+            assert self.hash[b] is None
+            self.hash[b] = h
+            self.index.setdefault(h, []).append(b)
+        self.events.append(("stored", tuple(hashes), parent))
+
+    def free(self, blocks_tail_first: Sequence[int]) -> None:
+        for b in blocks_tail_first:
+            self.ref[b] -= 1
+            assert self.ref[b] >= 0, "double free"
+            if self.ref[b] == 0:
+                self.queue[b] = None
+
+    def reset(self) -> bool:
+        if len(self.queue) != self.num_blocks - 1:
+            return False
+        self.hash = [None] * self.num_blocks
+        self.index.clear()
+        self.events.append(("cleared", (), None))
+        return True
+
+
+# -- basic behaviour -------------------------------------------------------------------------
+
+
+def test_null_block_and_initial_state(guard: PoolGuard) -> None:
+    pool = make_pool(6)
+    guard.watch(pool)
+    assert pool.num_free == 5
+    assert pool.usage == 0.0
+    assert pool.ref_count(0) == 1
+    assert not pool.is_free(0)
+    assert pool.free_queue() == []  # fresh blocks are kept as a range, not queued
+    got = pool.allocate(5)
+    assert got == [1, 2, 3, 4, 5]
+    assert 0 not in got
+    assert pool.num_free == 0
+    with pytest.raises(RuntimeError):
+        pool.allocate(1)
+    pool.free(got[::-1])
+
+
+def test_needs_two_blocks() -> None:
+    with pytest.raises(ValueError):
+        BlockPool(1, 4)
+
+
+@pytest.mark.parametrize(
+    ("num_blocks", "held", "usage"),
+    [(5, 0, 0.0), (5, 1, 0.25), (5, 2, 0.5), (5, 4, 1.0), (11, 5, 0.5), (2, 1, 1.0)],
+)
+def test_usage_counts_referenced_blocks(num_blocks: int, held: int, usage: float) -> None:
+    pool = make_pool(num_blocks)
+    blocks = pool.allocate(held)
+    assert pool.usage == pytest.approx(usage)
+    # a cached but unreferenced block is free: it does not count as used
+    pool.cache(blocks, list(range(100, 100 + held)), None)
+    pool.free(blocks[::-1])
+    assert pool.usage == 0.0
+    assert pool.num_cached == held
+
+
+# -- lookup ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("query", "max_blocks", "expected"),
+    [
+        ([10, 11, 12], 3, 3),
+        ([10, 11, 12], 2, 2),  # capped by max_blocks
+        ([10, 11, 12, 13], 9, 3),  # 13 is not cached
+        ([10, 99, 12], 3, 1),  # stops at the first miss even though 12 is cached
+        ([99, 11, 12], 3, 0),
+        ([10, 11, 12], 0, 0),
+        ([], 3, 0),
+        ([11, 12], 3, 2),  # the pool matches hashes, chaining is the caller's job
+    ],
+)
+def test_lookup_stops_at_first_miss(query: list[int], max_blocks: int, expected: int) -> None:
+    pool = make_pool(8)
+    blocks = pool.allocate(3)
+    pool.cache(blocks, [10, 11, 12], None)
+    by_hash = dict(zip([10, 11, 12], blocks, strict=True))
+    found = pool.longest_cached_prefix(query, max_blocks)
+    assert found == [by_hash[h] for h in query[:expected]]
+
+
+def test_lookup_disabled_without_caching() -> None:
+    pool = BlockPool(8, 4, enable_caching=False, events_enabled=True)
+    blocks = pool.allocate(2)
+    pool.cache(blocks, [1, 2], None)
+    assert pool.longest_cached_prefix([1, 2], 2) == []
+    assert pool.num_cached == 0
+    assert pool.take_events() == []
+
+
+@pytest.mark.parametrize(
+    ("prompt_tokens", "usable"),
+    [(1, 0), (3, 0), (4, 0), (5, 1), (7, 1), (8, 1), (9, 2), (12, 2), (13, 3), (16, 3), (17, 4)],
+)
+def test_last_token_rule_caps_hits(prompt_tokens: int, usable: int) -> None:
+    """At most (N - 1) // B blocks hit: the last token is recomputed for its logits, so a fully
+    cached prompt of a multiple of B tokens recomputes its whole last block."""
+    bs = 4
+    pool = make_pool(16, bs)
+    full = prompt_tokens // bs
+    hashes = list(range(500, 500 + full))
+    blocks = pool.allocate(full)
+    pool.cache(blocks, hashes, None)
+    hit = pool.longest_cached_prefix(hashes, (prompt_tokens - 1) // bs)
+    assert len(hit) == usable
+    assert usable == (prompt_tokens - 1) // bs
+    recomputed = prompt_tokens - usable * bs
+    assert 1 <= recomputed <= bs
+    if prompt_tokens % bs == 0:
+        assert recomputed == bs
+
+
+# -- LRU eviction order ------------------------------------------------------------------------
+
+
+def test_fresh_blocks_are_used_before_recycled_ones(guard: PoolGuard) -> None:
+    pool = make_pool(8)
+    guard.watch(pool)
+    a = pool.allocate(3)
+    pool.cache(a, [1, 2, 3], None)
+    pool.free(a[::-1])
+    # blocks 4..7 have never been used: they come first even though 1..3 were freed earlier
+    b = pool.allocate(4)
+    assert b == [4, 5, 6, 7]
+    assert pool.num_cached == 3
+    c = pool.allocate(1)
+    assert c == [3]  # a's tail block, freed first
+    assert pool.longest_cached_prefix([1, 2, 3], 3) == [1, 2]
+    pool.free(c)
+    pool.free(b[::-1])
+
+
+def test_recycled_blocks_leave_in_free_order(guard: PoolGuard) -> None:
+    pool = make_pool(7)
+    guard.watch(pool)
+    first = pool.allocate(2)  # [1, 2]
+    second = pool.allocate(2)  # [3, 4]
+    third = pool.allocate(2)  # [5, 6]
+    pool.free(second[::-1])
+    pool.free(third[::-1])
+    pool.free(first[::-1])
+    assert pool.free_queue() == [4, 3, 6, 5, 2, 1]
+    assert pool.allocate(6) == [4, 3, 6, 5, 2, 1]
+    pool.free(list(range(6, 0, -1)))
+
+
+def test_tail_blocks_of_a_request_are_evicted_first() -> None:
+    pool = make_pool(5)
+    blocks = pool.allocate(4)
+    pool.cache(blocks, [10, 11, 12, 13], None)
+    pool.free(blocks[::-1])
+    pool.take_events()
+    pool.allocate(1)
+    # the prefix [10, 11, 12] is still whole: only the last block went
+    assert pool.longest_cached_prefix([10, 11, 12, 13], 4) == blocks[:3]
+    assert flatten_events(pool.take_events()) == [("removed", (13,), None)]
+    pool.allocate(2)
+    assert pool.longest_cached_prefix([10, 11, 12, 13], 4) == blocks[:1]
+    assert flatten_events(pool.take_events()) == [
+        ("removed", (12,), None),
+        ("removed", (11,), None),
+    ]
+
+
+def test_touching_a_free_cached_block_takes_it_out_of_the_queue(guard: PoolGuard) -> None:
+    pool = make_pool(5)
+    guard.watch(pool)
+    blocks = pool.allocate(4)  # [1, 2, 3, 4]
+    pool.cache(blocks[:2], [10, 11], None)
+    pool.free(blocks[::-1])
+    assert pool.free_queue() == [4, 3, 2, 1]
+    hit = pool.longest_cached_prefix([10, 11], 2)
+    assert hit == [1, 2]
+    assert pool.evictable_among(hit) == 2
+    pool.touch(hit)
+    assert pool.free_queue() == [4, 3]
+    assert pool.num_free == 2
+    assert [pool.ref_count(b) for b in hit] == [1, 1]
+    assert pool.evictable_among(hit) == 0
+    # touching a block that is already in use only adds a reference
+    pool.touch(hit[:1])
+    assert pool.ref_count(hit[0]) == 2
+    assert pool.num_free == 2
+    assert pool.allocate(2) == [4, 3]
+    assert pool.num_cached == 2  # the touched ones survived
+    pool.free([4, 3])
+    pool.free(hit[::-1])
+    pool.free(hit[:1])
+    # re-freed blocks go to the tail in the order given
+    assert pool.free_queue() == [4, 3, 2, 1]
+
+
+# -- events ------------------------------------------------------------------------------------
+
+
+def test_stored_and_removed_events_in_order() -> None:
+    pool = make_pool(4, block_size=4)
+    a = pool.allocate(2)
+    pool.cache(a, [10, 11], None)
+    c = pool.allocate(1)
+    pool.cache(c, [12], 11)
+    events = pool.take_events()
+    assert events == [BlockStored([10, 11], None, 4), BlockStored([12], 11, 4)]
+    assert pool.take_events() == []
+    pool.free(c)
+    pool.free(a[::-1])
+    # queue: [3, 2, 1]; allocating two evicts 12 then 11, merged into one BlockRemoved
+    got = pool.allocate(2)
+    assert got == [3, 2]
+    pool.cache(got, [20, 21], None)
+    got2 = pool.allocate(1)
+    events = pool.take_events()
+    assert events == [
+        BlockRemoved([12, 11]),
+        BlockStored([20, 21], None, 4),
+        BlockRemoved([10]),
+    ]
+    assert flatten_events(events) == [
+        ("removed", (12,), None),
+        ("removed", (11,), None),
+        ("stored", (20, 21), None),
+        ("removed", (10,), None),
+    ]
+    pool.free(got2)
+    pool.free(got[::-1])
+
+
+def test_no_events_unless_enabled() -> None:
+    pool = make_pool(4, events=False)
+    a = pool.allocate(3)
+    pool.cache(a, [1, 2, 3], None)
+    pool.free(a[::-1])
+    pool.allocate(3)
+    assert pool.take_events() == []
+
+
+def test_uncached_blocks_evict_silently() -> None:
+    pool = make_pool(4)
+    a = pool.allocate(3)
+    pool.cache(a[:1], [7], None)
+    pool.free(a[::-1])
+    pool.take_events()
+    assert pool.allocate(2) == [3, 2]  # neither carried a hash
+    assert pool.take_events() == []
+    assert pool.allocate(1) == [1]
+    assert pool.take_events() == [BlockRemoved([7])]
+
+
+# -- duplicate hashes --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("evict_first", ["original", "duplicate"])
+def test_duplicate_hash_stays_findable_after_either_copy_goes(evict_first: str) -> None:
+    """Two requests computed the same block: evicting either copy keeps the other findable."""
+    pool = make_pool(3)
+    original = pool.allocate(1)
+    duplicate = pool.allocate(1)
+    pool.cache(original, [42], None)
+    pool.cache(duplicate, [42], None)
+    assert pool.num_cached == 2
+    assert pool.longest_cached_prefix([42], 1) == original  # the earliest inserted copy
+    pool.take_events()
+    first, second = (original, duplicate) if evict_first == "original" else (duplicate, original)
+    pool.free(first)
+    pool.free(second)
+    assert pool.free_queue() == first + second
+    assert pool.allocate(1) == first
+    assert pool.take_events() == [BlockRemoved([42])]  # one removal per evicted copy, as vLLM
+    assert pool.longest_cached_prefix([42], 1) == second
+    assert pool.num_cached == 1
+    check_pool(pool, [first])
+    assert pool.allocate(1) == second
+    assert pool.take_events() == [BlockRemoved([42])]
+    assert pool.longest_cached_prefix([42], 1) == []
+    assert pool.num_cached == 0
+    check_pool(pool, [first, second])
+
+
+def test_three_copies_promote_in_insertion_order() -> None:
+    pool = make_pool(5)
+    blocks = pool.allocate(4)
+    for b in blocks:
+        pool.cache([b], [9], None)
+    assert pool.num_cached == 4
+    assert pool.longest_cached_prefix([9], 1) == [1]
+    pool.free([2])
+    assert pool.allocate(1) == [2]  # evicts the second copy; the first is still the answer
+    assert pool.longest_cached_prefix([9], 1) == [1]
+    pool.free([1])
+    assert pool.allocate(1) == [1]
+    assert pool.longest_cached_prefix([9], 1) == [3]
+    check_pool(pool, [[1], [2], [3], [4]])
+
+
+def test_duplicates_within_one_cache_call() -> None:
+    pool = make_pool(4)
+    blocks = pool.allocate(3)
+    pool.cache(blocks, [5, 5, 6], None)
+    assert pool.num_cached == 3
+    assert pool.longest_cached_prefix([5, 6], 2) == [1, 3]
+    check_pool(pool, [blocks])
+
+
+# -- reset -------------------------------------------------------------------------------------
+
+
+def test_reset_prefix_cache_only_when_nothing_is_in_use(guard: PoolGuard) -> None:
+    pool = make_pool(5)
+    guard.watch(pool)
+    a = pool.allocate(2)
+    pool.cache(a, [1, 2], None)
+    pool.take_events()
+    assert pool.reset_prefix_cache() is False
+    assert pool.take_events() == []
+    assert pool.longest_cached_prefix([1, 2], 2) == a
+    pool.free(a[::-1])
+    free_before = pool.free_queue()
+    assert pool.reset_prefix_cache() is True
+    assert pool.take_events() == [AllBlocksCleared()]
+    assert pool.longest_cached_prefix([1, 2], 2) == []
+    assert pool.num_cached == 0
+    assert pool.block_hash(a[0]) is None
+    assert pool.free_queue() == free_before
+    assert pool.num_free == 4
+    # evicting the cleared blocks emits nothing
+    got = pool.allocate(4)
+    assert pool.take_events() == []
+    pool.free(got[::-1])
+
+
+def test_reset_ignores_cached_free_blocks() -> None:
+    pool = make_pool(3)
+    a = pool.allocate(2)
+    pool.cache(a, [1, 2], None)
+    pool.free(a[::-1])
+    pool.touch(pool.longest_cached_prefix([1], 1))
+    assert pool.reset_prefix_cache() is False  # a touched block is in use again
+    pool.free([1])
+    assert pool.reset_prefix_cache() is True
+
+
+# -- long churn: lazy deletion and queue compaction -------------------------------------------
+
+
+def test_queue_compaction_keeps_lru_order() -> None:
+    n = 10
+    pool = make_pool(n, events=False)
+    model = ModelPool(n, 4)
+    rounds = _COMPACT_AT // (n - 1) + 50
+    hashes = 0
+    for r in range(rounds):
+        got = pool.allocate(n - 1)
+        assert got == model.allocate(n - 1)
+        # cache a few, keep one referenced through a touch so the queue has holes
+        pool.cache(got[:2], [hashes, hashes + 1], None)
+        model.cache(got[:2], [hashes, hashes + 1], None)
+        hashes += 2
+        order = got[::-1] if r % 2 else got
+        pool.free(order)
+        model.free(order)
+        hit = pool.longest_cached_prefix([hashes - 2], 1)
+        assert hit == model.lookup([hashes - 2], 1)
+        pool.touch(hit)
+        model.touch(hit)
+        pool.free(hit)
+        model.free(hit)
+    assert pool._qh < _COMPACT_AT  # compaction happened
+    assert pool.free_queue() == list(model.queue)
+    check_pool(pool)
+
+
+# -- stateful property test against the model -------------------------------------------------
+
+HASHES = st.integers(min_value=0, max_value=12)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate / cache / touch / free / reset sequences, compared with `ModelPool`."""
+
+    pool: BlockPool
+    model: ModelPool
+
+    @initialize(num_blocks=st.integers(min_value=2, max_value=12))
+    def setup(self, num_blocks: int) -> None:
+        self.pool = BlockPool(num_blocks, 4, events_enabled=True)
+        self.model = ModelPool(num_blocks, 4)
+        # owner -> (blocks in order, how many leading ones carry a hash)
+        self.owners: dict[int, list[int]] = {}
+        self.uncached: dict[int, list[int]] = {}
+        self.next_owner = 0
+
+    def _new_owner(self, blocks: list[int], uncached: list[int]) -> None:
+        self.owners[self.next_owner] = blocks
+        self.uncached[self.next_owner] = uncached
+        self.next_owner += 1
+
+    @rule(data=st.data())
+    def allocate(self, data: st.DataObject) -> None:
+        n = data.draw(st.integers(min_value=0, max_value=self.model.num_free))
+        held = {b for blocks in self.owners.values() for b in blocks}
+        got = self.pool.allocate(n)
+        assert got == self.model.allocate(n)
+        assert len(set(got)) == len(got)
+        assert not held & set(got), "a referenced block was handed out again"
+        if got:
+            self._new_owner(list(got), list(got))
+
+    @precondition(lambda self: any(self.uncached.values()))
+    @rule(data=st.data())
+    def cache(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(o for o, u in self.uncached.items() if u)))
+        todo = self.uncached[owner]
+        k = data.draw(st.integers(min_value=1, max_value=len(todo)))
+        blocks, self.uncached[owner] = todo[:k], todo[k:]
+        hashes = data.draw(st.lists(HASHES, min_size=k, max_size=k))
+        parent = data.draw(st.none() | HASHES)
+        self.pool.cache(blocks, hashes, parent)
+        self.model.cache(blocks, hashes, parent)
+
+    @rule(query=st.lists(HASHES, max_size=5), cap=st.integers(min_value=0, max_value=5))
+    def touch(self, query: list[int], cap: int) -> None:
+        hit = self.pool.longest_cached_prefix(query, cap)
+        assert hit == self.model.lookup(query, cap)
+        hit = list(dict.fromkeys(hit))  # a request never holds one block twice
+        evictable = sum(self.model.ref[b] == 0 for b in hit)
+        assert self.pool.evictable_among(hit) == evictable
+        self.pool.touch(hit)
+        self.model.touch(hit)
+        if hit:
+            self._new_owner(hit, [])
+
+    @precondition(lambda self: bool(self.owners))
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        owner = data.draw(st.sampled_from(sorted(self.owners)))
+        blocks = self.owners.pop(owner)
+        self.uncached.pop(owner)
+        self.pool.free(blocks[::-1])
+        self.model.free(blocks[::-1])
+
+    @rule()
+    def reset(self) -> None:
+        assert self.pool.reset_prefix_cache() == self.model.reset()
+
+    @invariant()
+    def agrees_with_model(self) -> None:
+        pool, model = self.pool, self.model
+        assert pool.num_free == model.num_free
+        n, recycled = pool.num_blocks, pool.free_queue()
+        fresh = list(range(n - (pool.num_free - len(recycled)), n))
+        assert fresh + recycled == list(model.queue)
+        for b in range(pool.num_blocks):
+            assert pool.ref_count(b) == model.ref[b]
+            assert pool.block_hash(b) == model.hash[b]
+        assert flatten_events(pool.take_events()) == model.events
+        model.events = []
+        check_pool(pool, self.owners.values())
+
+    def teardown(self) -> None:
+        if not hasattr(self, "pool"):
+            return
+        for blocks in self.owners.values():
+            self.pool.free(blocks[::-1])
+        self.owners.clear()
+        check_pool(self.pool, [])
+        assert self.pool.num_free == self.pool.num_blocks - 1, "blocks leaked"
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPoolMachine = PoolMachine.TestCase
