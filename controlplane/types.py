@@ -63,6 +63,8 @@ class RoutingRequest:
     predicted_output_tokens: int = 0
     session_key: str | None = None
     arrival_s: float = 0.0
+    # block size the hashes were computed at (the engine's)
+    block_size: int = 16
 
     def __repr__(self) -> str:
         return (
@@ -93,7 +95,8 @@ class Ledger:
     # requests past their first token, and the decode tokens they are predicted to still emit
     decoding: int = 0
     decode_tokens: int = 0
-    # tokens held in KV by this router's requests (prompt + generated so far)
+    # tokens held in KV by this router's requests: their prompts (a router that counts streamed
+    # tokens may add them; the simulator's routers do not see individual tokens)
     context_tokens: int = 0
     # of `requests`: sent after the last metrics scrape, so not yet visible in `EngineMetrics`
     unscraped_requests: int = 0

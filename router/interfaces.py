@@ -8,7 +8,7 @@ request ends. The simulator and the live router call the same objects in the sam
 
     matches  = prefix_index.lookup(request.block_hashes, routable ids)      # data producer
     decision = policy.choose(request, snapshot, matches)                    # pure
-    policy.on_routed(request, decision)                                     # policy state
+    policy.on_routed(request, decision, snapshot)                           # policy state
     ledger.reserve(...); prefix_index.speculate(...)                        # router side effects
     policy.on_first_token(request, replica_id)                              # when streaming starts
     policy.on_finished(request, replica_id)                                 # exactly once
@@ -33,7 +33,9 @@ class RoutingPolicy(Protocol):
         matches: Mapping[str, PrefixMatch],
     ) -> Decision: ...
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None: ...
+    def on_routed(
+        self, request: RoutingRequest, decision: Decision, snapshot: FleetSnapshot
+    ) -> None: ...
 
     def on_first_token(self, request: RoutingRequest, replica_id: str) -> None: ...
 
@@ -45,7 +47,9 @@ class PolicyBase:
 
     name: ClassVar[str] = "base"
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+    def on_routed(
+        self, request: RoutingRequest, decision: Decision, snapshot: FleetSnapshot
+    ) -> None:
         return None
 
     def on_first_token(self, request: RoutingRequest, replica_id: str) -> None:

@@ -32,6 +32,7 @@ class _Totals:
     context_tokens: int = 0
     unscraped: int = 0
     scraped_s: float = float("-inf")
+    last_sent_s: float = float("-inf")
 
 
 class RouterLedger:
@@ -63,6 +64,7 @@ class RouterLedger:
         t.pending_prompt_tokens += prompt_tokens
         t.decode_tokens += predicted_output
         t.context_tokens += prompt_tokens
+        t.last_sent_s = max(t.last_sent_s, now_s)
         if now_s > t.scraped_s:
             t.unscraped += 1
 
@@ -98,7 +100,11 @@ class RouterLedger:
         """The replica's metrics were refreshed at `now_s`: everything sent before is visible."""
         t = self._totals.setdefault(replica_id, _Totals())
         t.scraped_s = now_s
-        t.unscraped = 0
+        if now_s >= t.last_sent_s:
+            t.unscraped = 0
+        else:  # a scrape taken before some reservations but reported after them
+            later = [f for f in self._inflight.values() if f.sent_s > now_s]
+            t.unscraped = sum(1 for f in later if f.replica_id == replica_id)
 
     def view(self, replica_id: str) -> Ledger:
         t = self._totals.get(replica_id)

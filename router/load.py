@@ -44,11 +44,9 @@ def estimate(r: ReplicaState) -> LoadEstimate:
     own_visible = led.requests - led.unscraped_requests
     others = max(0, m.running + m.waiting - own_visible)
     others_waiting = min(others, m.waiting)
-    if led.requests:
-        mean_prefill = max(1.0, led.prefill_tokens / max(1, led.requests - led.decoding))
-        mean_decode = max(1.0, led.decode_tokens / led.requests)
-    else:
-        mean_prefill, mean_decode = PRIOR_PREFILL_TOKENS, PRIOR_DECODE_TOKENS
+    prefilling = led.requests - led.decoding
+    mean_prefill = led.prefill_tokens / prefilling if prefilling else PRIOR_PREFILL_TOKENS
+    mean_decode = led.decode_tokens / led.requests if led.requests else PRIOR_DECODE_TOKENS
     kv_context = m.kv_usage * r.kv_capacity_tokens
     return LoadEstimate(
         requests=led.requests + others,

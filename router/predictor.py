@@ -51,7 +51,7 @@ class OutputLengthPredictor:
         self.window = window
         self.min_samples = min_samples
         self.prior_tokens = prior_tokens
-        self._windows: dict[tuple[str, int], _Window] = {}
+        self._windows: dict[tuple[str | None, int], _Window] = {}
 
     @staticmethod
     def bucket(prompt_tokens: int) -> int:
@@ -68,7 +68,7 @@ class OutputLengthPredictor:
             guess = true_output
         else:
             guess = self.prior_tokens
-            for key in ((tenant, self.bucket(prompt_tokens)), (tenant, -1), ("", -1)):
+            for key in self._keys(tenant, prompt_tokens):
                 w = self._windows.get(key)
                 if w is not None and len(w.values) >= self.min_samples:
                     guess = w.quantile(self.quantile)
@@ -77,8 +77,12 @@ class OutputLengthPredictor:
             guess = min(guess, max_tokens)
         return max(1, guess)
 
+    def _keys(self, tenant: str, prompt_tokens: int) -> tuple[tuple[str | None, int], ...]:
+        # most specific first; the global window's key (None) can never be a tenant's
+        return ((tenant, self.bucket(prompt_tokens)), (tenant, -1), (None, -1))
+
     def observe(self, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
-        for key in ((tenant, self.bucket(prompt_tokens)), (tenant, -1), ("", -1)):
+        for key in self._keys(tenant, prompt_tokens):
             w = self._windows.get(key)
             if w is None:
                 w = self._windows[key] = _Window(self.window)

@@ -79,6 +79,20 @@ class InMemoryPrefixIndex:
         entries[:] = [(exp, chain) for exp, chain in entries if exp > now]
         entries.append((now + ttl_s, hashes))
 
+    def retract(self, replica_id: str, hashes: Sequence[int], grace_s: float) -> None:
+        if not hashes:
+            return
+        by_first = self._speculative.get(replica_id)
+        entries = by_first.get(hashes[0]) if by_first else None
+        if not entries:
+            return
+        until = self._clock() + grace_s
+        last, n = hashes[-1], len(hashes)
+        entries[:] = [
+            (min(exp, until) if len(chain) == n and chain[-1] == last else exp, chain)
+            for exp, chain in entries
+        ]
+
     # -- reads -----------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], candidates: Sequence[str]) -> dict[str, PrefixMatch]:
         out: dict[str, PrefixMatch] = {}

@@ -36,3 +36,8 @@ class PrefixIndex(Protocol):
     def speculate(self, replica_id: str, hashes: Sequence[int], ttl_s: float) -> None:
         """Routing-time entry: the replica is about to compute this chain."""
         ...
+
+    def retract(self, replica_id: str, hashes: Sequence[int], grace_s: float) -> None:
+        """The chain has been computed (first token): let KV events speak for it after
+        `grace_s`, so a speculative claim never outlives an eviction."""
+        ...

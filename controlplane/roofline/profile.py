@@ -16,7 +16,9 @@ KV capacity (vLLM's memory profiling, per GPU, KV heads sharded across TP):
     blocks    = floor(kv_tokens / block_size)          # what vllm:cache_config_info reports
 
 `reserve` (activations, CUDA graphs, NCCL buffers) is 2.75 GiB, the middle of the 2.5-3 GiB
-seen in vLLM logs. The CPU backend takes its KV size from VLLM_CPU_KVCACHE_SPACE instead.
+seen in vLLM logs. The CPU backend takes its KV size from VLLM_CPU_KVCACHE_SPACE instead
+(`kv_cache_bytes`, default 1 GiB as the local CPU fleet runs it). When TP exceeds the number of KV
+heads, vLLM replicates heads so each GPU still holds one.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from controlplane.roofline.specs import GIB, GpuSpec, ModelSpec, gpu, model
 
 VLLM_REFERENCE_VERSION = "0.33.0"
 ACTIVATION_RESERVE_BYTES = 2.75 * GIB
+# VLLM_CPU_KVCACHE_SPACE of the project's local CPU fleet (1 GiB)
+CPU_DEFAULT_KV_CACHE_BYTES = 1.0 * GIB
 
 # Per-step CPU overhead fitted per (model key, TP) to vLLM's nightly latency benchmarks
 # (see controlplane.roofline.calibration); other combinations use the GPU's default.
@@ -122,14 +126,17 @@ class EngineProfile:
 
     @property
     def kv_bytes_per_token_per_gpu(self) -> float:
-        return self.model.kv_bytes_per_token / self.tp
+        """KV heads shard across TP; beyond one head per GPU vLLM replicates them."""
+        m = self.model
+        return m.kv_bytes_per_token * max(1, m.kv_heads // self.tp) / m.kv_heads
 
     @property
     def kv_capacity_tokens(self) -> int:
         if self.num_gpu_blocks_override:
             return self.num_gpu_blocks_override * self.resolved_block_size
-        if self.kv_cache_bytes:
-            return int(self.kv_cache_bytes // self.model.kv_bytes_per_token)
+        if self.kv_cache_bytes or self.gpu_key == "cpu":
+            space = self.kv_cache_bytes or CPU_DEFAULT_KV_CACHE_BYTES
+            return int(space // self.model.kv_bytes_per_token)
         free = (
             self.gpu.memory_bytes * self.gpu_memory_utilization
             - self.weight_bytes_per_gpu

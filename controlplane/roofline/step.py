@@ -53,7 +53,7 @@ class StepCostModel:
         key = tp if tp in ar.latency_s else max(ar.latency_s)
         return cls(
             mem_base_s=m.weight_bytes_read_per_step / tp / bw,
-            mem_per_kv_token_s=m.kv_bytes_per_token / tp / bw,
+            mem_per_kv_token_s=prof.kv_bytes_per_token_per_gpu / bw,
             comp_per_token_s=m.body_flops_per_token / tp / fl,
             comp_per_sample_s=m.lm_head_flops_per_sample / tp / fl,
             comp_per_pair_s=m.attn_flops_per_pair / tp / fl,

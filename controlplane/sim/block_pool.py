@@ -12,18 +12,17 @@
 - Requests free their blocks tail first (the caller passes them reversed), so a request's last
   blocks are evicted before its first ones.
 
-Speed. A replay moves millions of blocks, so every operation works on whole block lists with
-C-level primitives (`map` over bound methods, `dict.update`, `itertools.compress`) instead of a
-Python loop per block. The free queue is a list with a head index and lazy deletion: `_qpos[b]`
-is the position of block b's live queue entry (-1 when b is not free); taking a block out of the
-middle just clears `_qpos[b]`, and the head skips entries whose position no longer matches.
+Speed. A replay moves millions of blocks, so the hot paths are single tight loops over local
+variables (measured faster than chains of `map` passes, and than compiling them with mypyc). The
+free queue is a list with a head index and lazy deletion: `_qpos[b]` is the position of block b's
+live queue entry (-1 when b is not free); taking a block out of the middle just clears
+`_qpos[b]`, and the head skips entries whose position no longer matches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import compress, repeat
-from operator import add, eq, not_, sub
+from itertools import repeat
 
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
@@ -127,13 +126,15 @@ class BlockPool:
     # -- mutations -------------------------------------------------------------------------------
     def touch(self, blocks: Sequence[int]) -> None:
         """Take a reference on cache hits, pulling free ones out of the free queue."""
-        ref = self._ref
-        refs = list(map(ref.__getitem__, blocks))
-        zero = refs.count(0)
-        if zero:
-            list(map(self._qpos.__setitem__, compress(blocks, map(not_, refs)), repeat(-1)))
-            self._nfree -= zero
-        list(map(ref.__setitem__, blocks, map(add, refs, repeat(1))))
+        ref, qpos = self._ref, self._qpos
+        taken = 0
+        for b in blocks:
+            r = ref[b]
+            if not r:
+                qpos[b] = -1
+                taken += 1
+            ref[b] = r + 1
+        self._nfree -= taken
 
     def allocate(self, n: int) -> list[int]:
         """Pop `n` blocks from the head of the free queue, evicting cached ones."""
@@ -148,48 +149,69 @@ class BlockPool:
             self._hash.extend(repeat(None, fresh))
             self._qpos.extend(repeat(-1, fresh))
         rest = n - fresh
-        if rest:
-            popped = self._popleft(rest)
-            hashes = self._hash
-            old = list(map(hashes.__getitem__, popped))
-            evicted = [h for h in old if h is not None]
-            if evicted:
-                list(map(hashes.__setitem__, popped, repeat(None)))
-                self._evict_all(popped, evicted, old)
-            list(map(self._ref.__setitem__, popped, repeat(1)))
-            out.extend(popped)
+        if not rest:
+            return out
+        q, qpos, ref, hashes = self._q, self._qpos, self._ref, self._hash
+        cached = self._cached
+        no_dups = not self._dups
+        evicted: list[int] = []
+        head = self._qh
+        append = out.append
+        while rest:
+            b = q[head]
+            if qpos[b] == head:
+                qpos[b] = -1
+                ref[b] = 1
+                h = hashes[b]
+                if h is not None:
+                    hashes[b] = None
+                    if no_dups:
+                        del cached[h]
+                    else:
+                        self._drop_copy(b, h)
+                        no_dups = not self._dups
+                    evicted.append(h)
+                append(b)
+                rest -= 1
+            head += 1
+        self._qh = head
+        self._nfree -= n - fresh
+        if evicted and self.events_enabled:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.extend(evicted)
+            else:
+                self.events.append(BlockRemoved(evicted))
+        if head > _COMPACT_AT and head > len(q) // 2:
+            self._compact()
         return out
 
     def cache(self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None) -> None:
         """Mark newly full blocks as cached under their chained hashes (one `BlockStored`)."""
         if not self.enable_caching or not blocks:
             return
+        block_hash = self._hash
         cached = self._cached
-        list(map(self._hash.__setitem__, blocks, hashes))
-        if cached.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
-            cached.update(zip(hashes, blocks, strict=True))
-        else:
-            dups = self._dups
-            for b, h in zip(blocks, hashes, strict=True):
-                if h in cached:
-                    dups.setdefault(h, []).append(b)
-                else:
-                    cached[h] = b
+        setdefault = cached.setdefault
+        for b, h in zip(blocks, hashes, strict=True):
+            block_hash[b] = h
+            if setdefault(h, b) != b:
+                self._dups.setdefault(h, []).append(b)
         if self.events_enabled:
             self.events.append(BlockStored(list(hashes), parent, self.block_size))
 
     def free(self, blocks_tail_first: Sequence[int]) -> None:
         """Drop one reference from each block; unreferenced ones join the free queue's tail."""
-        ref = self._ref
-        refs = list(map(sub, map(ref.__getitem__, blocks_tail_first), repeat(1)))
-        list(map(ref.__setitem__, blocks_tail_first, refs))
-        zero = list(compress(blocks_tail_first, map(not_, refs)))
-        if zero:
-            q = self._q
-            base = len(q)
-            q.extend(zero)
-            list(map(self._qpos.__setitem__, zero, range(base, base + len(zero))))
-            self._nfree += len(zero)
+        ref, qpos, q = self._ref, self._qpos, self._q
+        freed = 0
+        for b in blocks_tail_first:
+            r = ref[b] - 1
+            ref[b] = r
+            if not r:
+                qpos[b] = len(q)
+                q.append(b)
+                freed += 1
+        self._nfree += freed
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only when no block is in use, as vLLM requires)."""
@@ -207,57 +229,14 @@ class BlockPool:
         return events
 
     # -- internals -------------------------------------------------------------------------------
-    def _popleft(self, n: int) -> list[int]:
-        """The `n` live blocks at the head of the recycled free queue, removed from it."""
-        q, qpos = self._q, self._qpos
-        head = self._qh
-        out: list[int] = []
-        while len(out) < n:
-            stale = (len(q) - head) - (self._nfree - len(out))
-            window = (n - len(out)) + min(stale, 4 * (n - len(out)) + 64)
-            cand = q[head : head + window]
-            live = list(
-                compress(cand, map(eq, map(qpos.__getitem__, cand), range(head, head + len(cand))))
-            )
-            need = n - len(out)
-            if len(live) > need:
-                live = live[:need]
-                # advance the head to just past the last block taken
-                last = live[-1]
-                head = qpos[last] + 1
-            else:
-                head += len(cand)
-            out.extend(live)
-        list(map(qpos.__setitem__, out, repeat(-1)))
-        self._nfree -= n
-        self._qh = head
-        if head > _COMPACT_AT and head > len(q) // 2:
-            self._compact()
-        return out
-
     def _compact(self) -> None:
+        """Drop the consumed head and stale entries of the free queue; renumber positions."""
         q, qpos, head = self._q, self._qpos, self._qh
-        live = list(
-            compress(q[head:], map(eq, map(qpos.__getitem__, q[head:]), range(head, len(q))))
-        )
+        live = [b for i, b in enumerate(q[head:], head) if qpos[b] == i]
+        for i, b in enumerate(live):
+            qpos[b] = i
         self._q = live
         self._qh = 0
-        list(map(qpos.__setitem__, live, range(len(live))))
-
-    def _evict_all(self, popped: list[int], evicted: list[int], old: list[int | None]) -> None:
-        """Drop the cache entries of evicted blocks; `old[i]` was the hash of `popped[i]`."""
-        if not self._dups:
-            list(map(self._cached.__delitem__, evicted))
-        else:
-            for b, h in zip(popped, old, strict=True):
-                if h is not None:
-                    self._drop_copy(b, h)
-        if self.events_enabled:
-            last = self.events[-1] if self.events else None
-            if isinstance(last, BlockRemoved):
-                last.block_hashes.extend(evicted)
-            else:
-                self.events.append(BlockRemoved(evicted))
 
     def _drop_copy(self, block: int, h: int) -> None:
         """Forget that `block` holds `h`; the earliest remaining copy stays findable."""

@@ -59,6 +59,8 @@ class FleetConfig:
     reservations: bool = True
     speculative: bool = True
     speculative_ttl_s: float = 30.0
+    # after a request's first token its speculative entry lives this long past the KV-event delay
+    speculative_grace_s: float = 1.0
     kv_event_delay_s: float = 0.0
     eviction_notice_delay_s: float = 0.0
     scrape_interval_s: float = 0.5
@@ -258,6 +260,7 @@ class FleetSim:
             predicted_output_tokens=predicted,
             session_key=tr.session_key,
             arrival_s=now,
+            block_size=cfg.profile.resolved_block_size,
         )
         record = RequestRecord(
             request_id=rid,
@@ -285,7 +288,7 @@ class FleetSim:
             record.rejected = "too_long"
             record.reason = DecisionReason.NO_HEALTHY_REPLICA.value
             return
-        router.policy.on_routed(rreq, decision)
+        router.policy.on_routed(rreq, decision, snapshot)
         bs = engine.block_size
         hit_tokens = min(decision.expected_hit_blocks, (tr.prompt_tokens - 1) // bs) * bs
         router.ledger.reserve(
@@ -320,10 +323,14 @@ class FleetSim:
         eng = rep.engine
         eng.complete(now)
         first, finished = eng.drain()
+        cfg = self.config
         for req in first:
             rreq, router, _rep, _ = self._routing[req.uid]
             router.ledger.first_token(rreq.request_id)
             router.policy.on_first_token(rreq, rep.rid)
+            if cfg.speculative and rreq.block_hashes:
+                grace = cfg.kv_event_delay_s + cfg.speculative_grace_s
+                self.index.retract(rep.rid, rreq.block_hashes, grace)
         for req in finished:
             self._finish(req, now)
         end = eng.start(now)

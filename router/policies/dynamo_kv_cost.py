@@ -65,11 +65,13 @@ class DynamoKvCost(PolicyBase):
             chosen, DecisionReason.KV_COST, ranked, costs, m.confirmed_blocks if m else 0
         )
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+    def on_routed(
+        self, request: RoutingRequest, decision: Decision, snapshot: FleetSnapshot
+    ) -> None:
         rid = decision.replica_id
         if rid is None:
             return
-        blocks = max(1, len(request.block_hashes))
+        blocks = -(-request.prompt_tokens // request.block_size)
         self._requests[request.request_id] = (rid, blocks, True)
         self._prefill_blocks[rid] = self._prefill_blocks.get(rid, 0) + blocks
         self._active_blocks[rid] = self._active_blocks.get(rid, 0) + blocks

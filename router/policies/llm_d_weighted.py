@@ -23,7 +23,7 @@ from typing import ClassVar
 
 from controlplane.types import Decision, DecisionReason, FleetSnapshot, PrefixMatch, RoutingRequest
 from router.interfaces import PolicyBase
-from router.policies.common import pick_tied
+from router.policies.common import pick_tied, usable_hit_blocks
 
 MAX_HASHED_BLOCKS = 256
 
@@ -44,8 +44,6 @@ class LlmDWeighted(PolicyBase):
         ready = snapshot.routable()
         if not ready:
             return Decision.none_healthy()
-        for r in ready:
-            self._capacity.setdefault(r.replica_id, r.profile.num_gpu_blocks)
         hashes = request.block_hashes[:MAX_HASHED_BLOCKS]
         matched = dict.fromkeys((r.replica_id for r in ready), 0)
         alive = set(matched)
@@ -69,12 +67,17 @@ class LlmDWeighted(PolicyBase):
         best = max(totals.values())
         chosen = pick_tied(request, [rid for rid, t in totals.items() if t >= best - 1e-12])
         ranked = (chosen, *sorted((r for r in totals if r != chosen), key=lambda r: -totals[r]))
-        return Decision(chosen, DecisionReason.WEIGHTED_SCORE, ranked, totals, matched[chosen])
+        hit = usable_hit_blocks(request, matched[chosen], request.block_size)
+        return Decision(chosen, DecisionReason.WEIGHTED_SCORE, ranked, totals, hit)
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+    def on_routed(
+        self, request: RoutingRequest, decision: Decision, snapshot: FleetSnapshot
+    ) -> None:
         rid = decision.replica_id
         if rid is None:
             return
+        for r in snapshot.replicas:
+            self._capacity[r.replica_id] = r.profile.num_gpu_blocks
         lru = self._lru.setdefault(rid, OrderedDict())
         for h in request.block_hashes[:MAX_HASHED_BLOCKS]:
             lru[h] = None

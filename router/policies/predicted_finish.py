@@ -133,15 +133,14 @@ class PredictedFinish(PolicyBase):
         if not ready:
             return Decision.none_healthy()
         out = max(1, request.predicted_output_tokens)
+        # requests waiting for prefill per replica, fleet-wide: how many a wasted second delays
+        queued = sum(max(0.0, e.requests - e.decoding) for e in map(estimate, ready)) / len(ready)
+        congestion = self.congestion_weight * (1.0 + queued)
 
         def finish(r: ReplicaState) -> float:
             m = matches.get(r.replica_id)
             p = predict(request, r, m.matched_blocks if m else 0)
-            return (
-                self.ttft_weight * p.ttft_s
-                + (out - 1) * p.tpot_s
-                + self.congestion_weight * p.work_s
-            )
+            return self.ttft_weight * p.ttft_s + (out - 1) * p.tpot_s + congestion * p.work_s
 
         chosen, ranked, scores = rank_by(request, ready, finish)
         m = matches.get(chosen)

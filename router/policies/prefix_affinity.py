@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
+from controlplane.errors import ConfigError
 from controlplane.types import Decision, DecisionReason, FleetSnapshot, PrefixMatch, RoutingRequest
 from router.interfaces import PolicyBase
 from router.load import outstanding_tokens
@@ -40,6 +41,8 @@ class PrefixAffinity(PolicyBase):
         imbalance_abs_tokens: float = 16384.0,
         credit_factor: float = 2.0,
     ) -> None:
+        if min_match_blocks < 1:
+            raise ConfigError("prefix_affinity needs min_match_blocks >= 1")
         self.min_match_blocks = min_match_blocks
         self.imbalance_abs_tokens = imbalance_abs_tokens
         self.credit_factor = credit_factor

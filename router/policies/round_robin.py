@@ -35,6 +35,8 @@ class RoundRobin(PolicyBase):
         ranked = tuple(ids[start:] + ids[:start])
         return Decision(replica_id=ranked[0], reason=DecisionReason.ROUND_ROBIN, ranked=ranked)
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+    def on_routed(
+        self, request: RoutingRequest, decision: Decision, snapshot: FleetSnapshot
+    ) -> None:
         if decision.replica_id is not None:
             self._last = decision.replica_id

@@ -27,7 +27,7 @@ from typing import ClassVar
 
 from controlplane.types import Decision, DecisionReason, FleetSnapshot, PrefixMatch, RoutingRequest
 from router.interfaces import PolicyBase
-from router.policies.common import pick_tied
+from router.policies.common import pick_tied, usable_hit_blocks
 
 
 class SglangCacheAware(PolicyBase):
@@ -49,6 +49,7 @@ class SglangCacheAware(PolicyBase):
         self.max_tree_blocks = max_tree_blocks
         self._trees: dict[str, dict[int, float]] = {}
         self._inflight: dict[str, int] = {}
+        self._routed: dict[str, str] = {}  # request id -> worker
         self._last_eviction_s = 0.0
 
     def choose(
@@ -71,11 +72,13 @@ class SglangCacheAware(PolicyBase):
         rate = best / len(hashes) if hashes else 0.0
         if best and rate > self.cache_threshold:
             chosen = pick_tied(request, [rid for rid in ready if matched[rid] == best])
-            return self._decision(chosen, DecisionReason.CACHE_MATCH, ready, loads, best)
+            hit = usable_hit_blocks(request, best, request.block_size)
+            return self._decision(chosen, DecisionReason.CACHE_MATCH, ready, loads, hit)
         sizes = {rid: len(self._trees.get(rid, {})) for rid in ready}
         smallest = min(sizes.values())
         chosen = pick_tied(request, [rid for rid in ready if sizes[rid] == smallest])
-        return self._decision(chosen, DecisionReason.SMALLEST_TREE, ready, loads, matched[chosen])
+        hit = usable_hit_blocks(request, matched[chosen], request.block_size)
+        return self._decision(chosen, DecisionReason.SMALLEST_TREE, ready, loads, hit)
 
     def _decision(
         self,
@@ -88,11 +91,14 @@ class SglangCacheAware(PolicyBase):
         ranked = (chosen, *sorted((r for r in ready if r != chosen), key=lambda r: loads[r]))
         return Decision(chosen, reason, ranked, dict(loads), hit_blocks)
 
-    def on_routed(self, request: RoutingRequest, decision: Decision) -> None:
+    def on_routed(
+        self, request: RoutingRequest, decision: Decision, snapshot: FleetSnapshot
+    ) -> None:
         rid = decision.replica_id
         if rid is None:
             return
         now = request.arrival_s
+        self._routed[request.request_id] = rid
         self._inflight[rid] = self._inflight.get(rid, 0) + 1
         self._trees.setdefault(rid, {}).update(dict.fromkeys(request.block_hashes, now))
         if now - self._last_eviction_s >= self.eviction_interval_s:
@@ -104,4 +110,6 @@ class SglangCacheAware(PolicyBase):
                         del tree[h]
 
     def on_finished(self, request: RoutingRequest, replica_id: str) -> None:
-        self._inflight[replica_id] = max(0, self._inflight.get(replica_id, 0) - 1)
+        rid = self._routed.pop(request.request_id, None)
+        if rid is not None:
+            self._inflight[rid] -= 1

@@ -138,13 +138,15 @@ def route(
 ) -> Decision:
     """choose + on_routed, the way the router calls them."""
     decision = policy.choose(req, snap, found or {})
-    policy.on_routed(req, decision)
+    policy.on_routed(req, decision, snap)
     return decision
 
 
 def routed_to(policy: RoutingPolicy, req: RoutingRequest, rid: str) -> None:
     """Drive `on_routed` as if the policy had chosen `rid` (to prime a policy's own state)."""
-    policy.on_routed(req, Decision(rid, DecisionReason.ROUND_ROBIN, (rid,)))
+    policy.on_routed(
+        req, Decision(rid, DecisionReason.ROUND_ROBIN, (rid,)), FleetSnapshot.make_empty()
+    )
 
 
 def routable_ids(snap: FleetSnapshot) -> set[str]:
@@ -221,7 +223,5 @@ def prefix_matches(draw: st.DrawFn, snap: FleetSnapshot) -> dict[str, PrefixMatc
     for r in snap.replicas:
         if draw(st.booleans()):
             matched = draw(st.integers(1, 64))
-            out[r.replica_id] = PrefixMatch(
-                r.replica_id, matched, draw(st.integers(0, matched))
-            )
+            out[r.replica_id] = PrefixMatch(r.replica_id, matched, draw(st.integers(0, matched)))
     return out

@@ -94,14 +94,14 @@ UNHEALTHY_KINDS: list[tuple[str, dict[str, Any]]] = [
 def tempting_fleet(unhealthy: dict[str, Any]) -> tuple[FleetSnapshot, dict[str, Any]]:
     """An idle, cache-holding unhealthy replica `u0` beside two heavily loaded healthy ones."""
     bad = replica("u0", **unhealthy)
-    good = [
-        replica(f"h{i}", load=60_000, waiting=40, running=40, kv_usage=0.95) for i in range(2)
-    ]
+    good = [replica(f"h{i}", load=60_000, waiting=40, running=40, kv_usage=0.95) for i in range(2)]
     return fleet(bad, *good), {"bad": bad, "good": {r.replica_id for r in good}}
 
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
-@pytest.mark.parametrize(("kind", "unhealthy"), UNHEALTHY_KINDS, ids=[k for k, _ in UNHEALTHY_KINDS])
+@pytest.mark.parametrize(
+    ("kind", "unhealthy"), UNHEALTHY_KINDS, ids=[k for k, _ in UNHEALTHY_KINDS]
+)
 def test_unhealthy_replicas_are_never_chosen_nor_ranked(
     name: str, kind: str, unhealthy: dict[str, Any]
 ) -> None:
@@ -142,11 +142,11 @@ def test_no_routable_replica_gives_none_healthy(name: str, snap: FleetSnapshot) 
     assert d.ranked == ()
     # the router still tells the policy; a None decision must not disturb its state
     before = state(policy)
-    policy.on_routed(req, d)
+    policy.on_routed(req, d, snap)
     assert state(policy) == before
 
 
-# -- ties -------------------------------------------------------------------------------------------
+# -- ties ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", [n for n in POLICY_NAMES if n != "round_robin"])
 def test_ties_are_deterministic_per_request_id_and_spread_over_tied_replicas(name: str) -> None:
     snap = ready_fleet(3)
@@ -181,7 +181,7 @@ def test_ties_ignore_replica_order_in_the_snapshot(name: str) -> None:
         assert make(name).choose(req, a, {}).replica_id == make(name).choose(req, b, {}).replica_id
 
 
-# -- purity of choose, state in the hooks -----------------------------------------------------------
+# -- purity of choose, state in the hooks ----------------------------------------------------------
 def primed(name: str) -> tuple[RoutingPolicy, FleetSnapshot]:
     policy = make(name)
     snap = fleet(replica("r0", load=3_000), replica("r1"), replica("r2", kv_usage=0.4))
@@ -195,22 +195,7 @@ def primed(name: str) -> tuple[RoutingPolicy, FleetSnapshot]:
     return policy, snap
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="llm_d_weighted.choose writes self._capacity (setdefault) for replicas "
-                "it has not seen before: choose mutates policy state",
-            ),
-        )
-        if n == "llm_d_weighted"
-        else n
-        for n in POLICY_NAMES
-    ],
-)
+@pytest.mark.parametrize("name", POLICY_NAMES)
 def test_choose_leaves_policy_state_untouched(name: str) -> None:
     policy, snap = primed(name)
     grown = fleet(*snap.replicas, replica("r3"), replica("r4", load=100))
@@ -227,7 +212,7 @@ def test_hooks_hold_the_state(name: str) -> None:
     before = state(policy)
     d = policy.choose(req, snap, {})
     assert d.replica_id is not None
-    policy.on_routed(req, d)
+    policy.on_routed(req, d, snap)
     after_routed = state(policy)
     if name in STATEFUL:
         assert after_routed != before
@@ -241,7 +226,7 @@ def test_hooks_hold_the_state(name: str) -> None:
 
 @pytest.mark.parametrize("name", POLICY_NAMES)
 def test_finishing_an_unknown_request_is_harmless(name: str) -> None:
-    policy, snap = primed(name)
+    policy, _ = primed(name)
     before = state(policy)
     ghost = request("never-routed", 320)
     policy.on_first_token(ghost, "r1")
@@ -295,4 +280,3 @@ def test_ranked_is_a_permutation_of_the_routable_replicas(name: str, data: st.Da
     assert first.reason in NORMAL_REASON[name]
     assert set(first.scores) <= routable
     assert first.expected_hit_blocks >= 0
-

@@ -26,18 +26,20 @@ from policy_builders import (
     route,
 )
 
+from controlplane.errors import ConfigError
 from controlplane.types import (
     DecisionReason,
     FleetSnapshot,
     Ledger,
     Phase,
     PrefixMatch,
+    ReplicaState,
     RoutingRequest,
 )
 from router.load import outstanding_tokens
 from router.policies.common import pick_tied, usable_hit_blocks
 from router.policies.least_loaded import LeastLoaded
-from router.policies.predicted_finish import PredictedFinish, predict_ttft_tpot
+from router.policies.predicted_finish import PredictedFinish
 from router.policies.prefix_affinity import PrefixAffinity
 from router.policies.round_robin import RoundRobin
 
@@ -63,7 +65,7 @@ def check(policy_name: str, case: Case, **params: object) -> None:
         assert d.expected_hit_blocks == case.hit_blocks
 
 
-# -- round_robin ------------------------------------------------------------------------------------
+# -- round_robin -----------------------------------------------------------------------------------
 @pytest.mark.parametrize(("n", "k"), [(1, 5), (3, 7), (5, 4), (12, 3)])
 def test_round_robin_cycles_evenly_over_n_times_k_calls(n: int, k: int) -> None:
     snap = ready_fleet(n)
@@ -117,7 +119,7 @@ def test_round_robin_ignores_load_and_cache() -> None:
     assert (d.replica_id, d.reason, d.expected_hit_blocks) == ("r0", R.ROUND_ROBIN, 0)
 
 
-# -- least_loaded -----------------------------------------------------------------------------------
+# -- least_loaded ----------------------------------------------------------------------------------
 LEAST_LOADED_CASES = [
     Case(
         "least_outstanding_tokens",
@@ -183,7 +185,7 @@ def test_least_loaded_scores_are_router_load_outstanding_tokens() -> None:
     assert list(d.ranked) == sorted(d.scores, key=lambda rid: d.scores[rid])
 
 
-# -- prefix_affinity --------------------------------------------------------------------------------
+# -- prefix_affinity -------------------------------------------------------------------------------
 def long_req(blocks: int, rid: str = "req") -> RoutingRequest:
     """A prompt of `blocks` full blocks plus 8 tokens, so all `blocks` are usable hits."""
     return request(rid, blocks * BLOCK + 8)
@@ -359,7 +361,12 @@ def test_prefix_affinity_table(case: Case) -> None:
         ({}, (2_000, 0), "r0", R.PREFIX_HIT),
         ({"imbalance_abs_tokens": 1_000.0}, (2_000, 0), "r1", R.LOAD_OVERRIDE),
         ({"imbalance_abs_tokens": 1_000.0, "credit_factor": 40.0}, (2_000, 0), "r0", R.PREFIX_HIT),
-        ({"imbalance_abs_tokens": 1_000.0, "credit_factor": 40.0}, (2_561, 0), "r1", R.LOAD_OVERRIDE),
+        (
+            {"imbalance_abs_tokens": 1_000.0, "credit_factor": 40.0},
+            (2_561, 0),
+            "r1",
+            R.LOAD_OVERRIDE,
+        ),
         ({"min_match_blocks": 5}, (10, 0), "r1", R.MISS_LEAST_LOADED),
         ({"min_match_blocks": 4}, (10, 0), "r0", R.PREFIX_HIT),
     ],
@@ -401,18 +408,15 @@ def test_prefix_affinity_ranked_starts_with_preferred_then_by_load() -> None:
 def test_prefix_affinity_equal_matches_and_loads_spread_by_request_id() -> None:
     snap = ready_fleet(3)
     found = matches(r0=5, r1=5)
-    chosen = {PrefixAffinity().choose(long_req(10, f"t{i}"), snap, found).replica_id for i in range(40)}
+    chosen = {
+        PrefixAffinity().choose(long_req(10, f"t{i}"), snap, found).replica_id for i in range(40)
+    }
     assert chosen == {"r0", "r1"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prefix_affinity.py:69-70: min_match_blocks=0 with no matches -> min() of an empty "
-    "sequence (ValueError) instead of a miss",
-)
-def test_prefix_affinity_min_match_zero_without_matches_does_not_crash() -> None:
-    d = PrefixAffinity(min_match_blocks=0).choose(long_req(10), ready_fleet(2), {})
-    assert d.replica_id in {"r0", "r1"}
+def test_prefix_affinity_rejects_min_match_below_one() -> None:
+    with pytest.raises(ConfigError, match="min_match_blocks"):
+        PrefixAffinity(min_match_blocks=0)
 
 
 @settings(max_examples=200, deadline=None)
@@ -422,7 +426,9 @@ def test_prefix_affinity_min_match_zero_without_matches_does_not_crash() -> None
     matched=st.integers(0, 500),
     bs=st.sampled_from([16, 32, 64]),
 )
-def test_usable_hit_blocks_is_the_n_minus_1_over_b_cap(k: int, extra: int, matched: int, bs: int) -> None:
+def test_usable_hit_blocks_is_the_n_minus_1_over_b_cap(
+    k: int, extra: int, matched: int, bs: int
+) -> None:
     n = k * bs + extra
     req = request("cap", n, blocks=())
     usable = usable_hit_blocks(req, matched, bs)
@@ -431,7 +437,7 @@ def test_usable_hit_blocks_is_the_n_minus_1_over_b_cap(k: int, extra: int, match
         assert usable == k - 1  # a match covering the whole prompt of N = k*B counts k-1 blocks
 
 
-# -- predicted_finish -------------------------------------------------------------------------------
+# -- predicted_finish ------------------------------------------------------------------------------
 PREDICTED_FINISH_CASES = [
     Case(
         "cached_replica_wins_when_loads_are_equal",
@@ -475,9 +481,13 @@ PREDICTED_FINISH_CASES = [
         fleet(
             replica(
                 "r0",
-                ledger=Ledger(requests=50, decoding=50, decode_tokens=20_000, context_tokens=100_000),
+                ledger=Ledger(
+                    requests=50, decoding=50, decode_tokens=20_000, context_tokens=100_000
+                ),
             ),
-            replica("r1", ledger=Ledger(requests=2, decoding=2, decode_tokens=300, context_tokens=2_000)),
+            replica(
+                "r1", ledger=Ledger(requests=2, decoding=2, decode_tokens=300, context_tokens=2_000)
+            ),
         ),
         "r1",
         R.PREDICTED_FINISH,
@@ -491,30 +501,38 @@ def test_predicted_finish_table(case: Case) -> None:
     check("predicted_finish", case)
 
 
-def test_predicted_finish_scores_rank_and_ttft_weight() -> None:
+def ttft(req: RoutingRequest, rep: ReplicaState, matched: int = 0) -> float:
+    """Predicted TTFT on one replica, read through the public policy: the slope of the score in
+    `ttft_weight` (the score is `ttft_weight * TTFT + terms that do not depend on it`)."""
+    snap = fleet(rep)
+    found = matches(**{rep.replica_id: matched}) if matched else {}
+    one = PredictedFinish(ttft_weight=1.0).choose(req, snap, found).scores[rep.replica_id]
+    two = PredictedFinish(ttft_weight=2.0).choose(req, snap, found).scores[rep.replica_id]
+    return two - one
+
+
+def test_predicted_finish_scores_rank_and_are_linear_in_ttft_weight() -> None:
     snap = fleet(replica("r0", load=3_000), replica("r1", running=4, kv_usage=0.2), replica("r2"))
     req = request("s", 2_000, predicted_output=200)
     found = matches(r1=50)
-    base = PredictedFinish(ttft_weight=1.0).choose(req, snap, found)
-    heavy = PredictedFinish(ttft_weight=3.0).choose(req, snap, found)
-    for d in (base, heavy):
+    by_weight = {
+        w: PredictedFinish(ttft_weight=w).choose(req, snap, found) for w in (1.0, 2.0, 3.0)
+    }
+    for d in by_weight.values():
         assert d.replica_id == min(d.scores, key=lambda rid: d.scores[rid])
         assert list(d.ranked) == sorted(d.scores, key=lambda rid: (d.scores[rid], rid))
-    for r in snap.replicas:
-        m = found.get(r.replica_id)
-        ttft, tpot = predict_ttft_tpot(req, r, m.matched_blocks if m else 0)
-        assert ttft > 0 and tpot > 0
-        # the score is linear in ttft_weight with slope TTFT
-        assert heavy.scores[r.replica_id] - base.scores[r.replica_id] == pytest.approx(2 * ttft)
-        # and at least the request's own predicted finish time
-        assert base.scores[r.replica_id] >= ttft + 199 * tpot - 1e-12
+        assert all(v > 0 for v in d.scores.values())
+    for rid in d.scores:
+        s1, s2, s3 = (by_weight[w].scores[rid] for w in (1.0, 2.0, 3.0))
+        assert s2 - s1 > 0
+        assert s3 - s1 == pytest.approx(2 * (s2 - s1))
 
 
 def test_predicted_finish_ttft_grows_with_queue_and_shrinks_with_cache() -> None:
     req = long_req(200)
-    ttfts = [predict_ttft_tpot(req, replica("r", load=q), 0)[0] for q in (0, 5_000, 50_000)]
-    assert ttfts == sorted(ttfts) and ttfts[0] < ttfts[-1]
-    by_hit = [predict_ttft_tpot(req, replica("r"), h)[0] for h in (0, 50, 150, 199)]
+    by_queue = [ttft(req, replica("r", load=q)) for q in (0, 5_000, 50_000)]
+    assert by_queue == sorted(by_queue) and by_queue[0] < by_queue[-1]
+    by_hit = [ttft(req, replica("r"), h) for h in (0, 50, 150, 199)]
     assert by_hit == sorted(by_hit, reverse=True) and by_hit[0] > by_hit[-1]
 
 

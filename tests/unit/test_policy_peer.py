@@ -40,7 +40,9 @@ def partial(k: int, n: int = 10) -> tuple[int, ...]:
 
 
 # -- sglang_cache_aware ---------------------------------------------------------------------------
-def sglang_with(inflight: dict[str, int], trees: dict[str, tuple[int, ...]], **params: float) -> SglangCacheAware:
+def sglang_with(
+    inflight: dict[str, int], trees: dict[str, tuple[int, ...]], **params: float
+) -> SglangCacheAware:
     policy = SglangCacheAware(**params)  # type: ignore[arg-type]
     for rid, blocks in trees.items():
         routed_to(policy, req_with(blocks, f"tree-{rid}"), rid)
@@ -62,7 +64,14 @@ def sglang_with(inflight: dict[str, int], trees: dict[str, tuple[int, ...]], **p
         ({}, {}, H, {}, {"r0", "r1", "r2"}, R.SMALLEST_TREE),
         ({}, {"r0": H, "r1": H[:3], "r2": chain(20, 5)}, chain(10, 7), {}, {"r1"}, R.SMALLEST_TREE),
         # the smallest-tree fallback ignores compute load (within the balance band)
-        ({"r1": 60}, {"r0": H, "r1": H[:3], "r2": chain(20, 5)}, chain(10, 7), {}, {"r1"}, R.SMALLEST_TREE),
+        (
+            {"r1": 60},
+            {"r0": H, "r1": H[:3], "r2": chain(20, 5)},
+            chain(10, 7),
+            {},
+            {"r1"},
+            R.SMALLEST_TREE,
+        ),
         # longest match among several holders
         ({}, {"r0": H[:5], "r1": H}, H, {}, {"r1"}, R.CACHE_MATCH),
         # balanced at an absolute gap of exactly 64
@@ -162,16 +171,20 @@ def test_sglang_eviction_keeps_the_most_recent_blocks_per_interval() -> None:
     assert (kept.replica_id, kept.reason, kept.expected_hit_blocks) == ("r0", R.CACHE_MATCH, 4)
 
 
-# -- dynamo_kv_cost ---------------------------------------------------------------------------------
-def dynamo_with_active(decode_blocks: dict[str, int], prefill_blocks: dict[str, int]) -> DynamoKvCost:
+# -- dynamo_kv_cost --------------------------------------------------------------------------------
+def dynamo_with_active(
+    decode_blocks: dict[str, int], prefill_blocks: dict[str, int]
+) -> DynamoKvCost:
     """Drive the hooks so each worker carries the given active prefill and decode blocks."""
     policy = DynamoKvCost()
     for rid, n in decode_blocks.items():
-        q = req_with(chain(n, seed=hash(rid) % 1000), f"dec-{rid}")
+        # exactly n blocks of prompt: dynamo accounts ceil(prompt_tokens / B) blocks
+        q = request(f"dec-{rid}", n * BLOCK, blocks=chain(n, seed=sum(map(ord, rid))))
         routed_to(policy, q, rid)
         policy.on_first_token(q, rid)  # prompt blocks leave prefill, stay active
     for rid, n in prefill_blocks.items():
-        routed_to(policy, req_with(chain(n, seed=7), f"pre-{rid}"), rid)  # prefill and active
+        q = request(f"pre-{rid}", n * BLOCK, blocks=chain(n, seed=7))
+        routed_to(policy, q, rid)  # prefill and active
     return policy
 
 
@@ -229,12 +242,17 @@ def test_dynamo_parameters_scale_prefill_and_credit() -> None:
     snap = fleet(replica("w1"), replica("w2"))
     q = request("q", 10 * BLOCK, blocks=chain(10, 3))
     found = matches(w1=4)
-    assert DynamoKvCost(prefill_load_scale=2.0).choose(q, snap, found).scores == {"w1": 22, "w2": 30}
+    assert DynamoKvCost(prefill_load_scale=2.0).choose(q, snap, found).scores == {
+        "w1": 22,
+        "w2": 30,
+    }
     assert DynamoKvCost(overlap_credit=0.5).choose(q, snap, found).scores == {"w1": 18, "w2": 20}
 
 
 def test_dynamo_ties_go_to_lowest_kv_usage_then_request_hash() -> None:
-    snap = fleet(replica("w1", kv_usage=0.5), replica("w2", kv_usage=0.1), replica("w3", kv_usage=0.1))
+    snap = fleet(
+        replica("w1", kv_usage=0.5), replica("w2", kv_usage=0.1), replica("w3", kv_usage=0.1)
+    )
     for i in range(20):
         q = request(f"t{i}", 10 * BLOCK, blocks=chain(10, 3))
         d = DynamoKvCost().choose(q, snap, {})
@@ -247,7 +265,7 @@ def test_dynamo_hooks_add_at_routing_drop_prefill_at_first_token_free_at_finish(
     probe = request("probe", 10 * BLOCK, blocks=chain(10, 3))
     fresh = policy.choose(probe, snap, {}).scores
     q = request("q", 6 * BLOCK, blocks=chain(6, 4))
-    policy.on_routed(q, Decision("w1", R.KV_COST, ("w1", "w2")))
+    policy.on_routed(q, Decision("w1", R.KV_COST, ("w1", "w2")), snap)
     assert policy.choose(probe, snap, {}).scores == {"w1": 32, "w2": 20}
     policy.on_first_token(q, "w1")
     policy.on_first_token(q, "w1")  # once only
@@ -256,16 +274,11 @@ def test_dynamo_hooks_add_at_routing_drop_prefill_at_first_token_free_at_finish(
     policy.on_finished(q, "w1")  # once only
     assert policy.choose(probe, snap, {}).scores == fresh
     # a request finished before its first token frees both terms
-    policy.on_routed(q, Decision("w2", R.KV_COST, ("w2", "w1")))
+    policy.on_routed(q, Decision("w2", R.KV_COST, ("w2", "w1")), snap)
     policy.on_finished(q, "w2")
     assert policy.choose(probe, snap, {}).scores == fresh
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dynamo_kv_cost.py:72 on_routed counts max(1, len(block_hashes)) blocks, while choose "
-    "(line 50) charges ceil(prompt_tokens / B); prompts without hashes count as 1 block",
-)
 @pytest.mark.parametrize(
     ("prompt_tokens", "hashes"),
     [(4_000, ()), (100, chain(6, 4))],
@@ -280,7 +293,7 @@ def test_dynamo_routing_adds_the_blocks_choose_charges(
     q = request("q", prompt_tokens, blocks=hashes)
     incoming = -(-prompt_tokens // BLOCK)  # what choose charged this request on every worker
     assert policy.choose(q, snap, {}).scores["w1"] == 2 * incoming
-    policy.on_routed(q, Decision("w1", R.KV_COST, ("w1", "w2")))
+    policy.on_routed(q, Decision("w1", R.KV_COST, ("w1", "w2")), snap)
     after = policy.choose(probe, snap, {}).scores
     assert after["w1"] - after["w2"] == 2 * incoming  # active prefill + active decode blocks
 
@@ -294,7 +307,9 @@ def llmd_snapshot() -> FleetSnapshot:
     )
 
 
-def llmd_with(snap: FleetSnapshot, holders: dict[str, tuple[int, ...]], **weights: float) -> LlmDWeighted:
+def llmd_with(
+    snap: FleetSnapshot, holders: dict[str, tuple[int, ...]], **weights: float
+) -> LlmDWeighted:
     policy = LlmDWeighted(**weights)
     for rid, blocks in holders.items():
         policy.choose(req_with(blocks, f"seen-{rid}"), snap, {})  # learns LRU capacities

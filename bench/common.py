@@ -1,0 +1,47 @@
+"""Helpers shared by the benchmark scripts: output folder, JSON, rich tables, machine facts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+
+
+def out_dir(default: str = "out/bench") -> Path:
+    path = Path(os.environ.get("CP_BENCH_OUT", default))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def machine() -> dict[str, object]:
+    return {
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def write_json(name: str, payload: dict[str, object]) -> Path:
+    path = out_dir() / name
+    path.write_text(json.dumps({**payload, "machine": machine()}, indent=2))
+    console.print(f"wrote {path}")
+    return path
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right" if col != columns[0] else "left")
+    for row in rows:
+        table.add_row(*(f"{v:,.3f}" if isinstance(v, float) else str(v) for v in row))
+    console.print(table)
