@@ -17,7 +17,9 @@ B tokens, predicted output O):
     TTFT     = steps * t_mix (+ a KV wait when the cache cannot hold the request, below)
     TPOT     = decode_step_time(D + 1 sequences, K + N context)
     work     = prefill time of the U uncached tokens alone on that replica
-    score    = ttft_weight * TTFT + (O - 1) * TPOT + congestion_weight * work
+    c        = congestion_weight * (1 + q + decode_weight * d)   q, d: fleet means of requests
+                                                                 waiting for prefill / decoding
+    score    = ttft_weight * TTFT + (O - 1) * TPOT + c * work
 
 and the lowest score wins (ties by request hash). `budget` is max_num_batched_tokens. When the KV
 cache cannot hold the request's uncached tokens, it also waits for decoders to finish:
@@ -122,9 +124,11 @@ class PredictedFinish(PolicyBase):
         *,
         ttft_weight: float = 1.0,
         congestion_weight: float = 1.0,
+        decode_weight: float = 0.25,
     ) -> None:
         self.ttft_weight = ttft_weight
         self.congestion_weight = congestion_weight
+        self.decode_weight = decode_weight
 
     def choose(
         self, request: RoutingRequest, snapshot: FleetSnapshot, matches: Mapping[str, PrefixMatch]
@@ -134,8 +138,10 @@ class PredictedFinish(PolicyBase):
             return Decision.none_healthy()
         out = max(1, request.predicted_output_tokens)
         # requests waiting for prefill per replica, fleet-wide: how many a wasted second delays
-        queued = sum(max(0.0, e.requests - e.decoding) for e in map(estimate, ready)) / len(ready)
-        congestion = self.congestion_weight * (1.0 + queued)
+        ests = [estimate(r) for r in ready]
+        queued = sum(max(0.0, e.requests - e.decoding) for e in ests) / len(ready)
+        decoding = sum(e.decoding for e in ests) / len(ready)
+        congestion = self.congestion_weight * (1.0 + queued + self.decode_weight * decoding)
 
         def finish(r: ReplicaState) -> float:
             m = matches.get(r.replica_id)
