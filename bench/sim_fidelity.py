@@ -53,9 +53,9 @@ def exact_ceiling(block_size: int) -> dict[str, object]:
     }
 
 
-def orderings() -> dict[str, object]:
+def orderings() -> dict[str, dict[str, float]]:
     trace = load_trace("mooncake")
-    out: dict[str, object] = {}
+    out: dict[str, dict[str, float]] = {}
     for cap in (400_000, 840_000):
         out[str(cap)] = {
             "one_replica": lru_ceiling(trace, cap).hit_rate,
@@ -97,7 +97,7 @@ def main() -> None:
                 f"{v['round_robin_8']:.3f}",
                 f"{v['affinity_8']:.3f}",
             )
-            for cap, v in order.items()  # type: ignore[union-attr]
+            for cap, v in order.items()
         ],
     )
     held = [a for a in anchors() if not a.held_out]

@@ -43,10 +43,23 @@ class DecodeRun:
     delta: float
     # running requests and their num_computed after step 0 was scheduled
     members: list[tuple[EngineRequest, int]]
+    # skipped steps 1..applied already scheduled (block operations replayed, and the outputs of
+    # steps 0..applied-1 applied) by `sync`
+    applied: int = 0
 
     def elapsed(self, steps: int) -> float:
         """Time for the first `steps` steps (trapezoid over per-step times)."""
         return steps * self.t_first + self.delta * steps * (steps - 1) / 2
+
+    def steps_ended_by(self, t: float) -> int:
+        """Steps whose end is at or before `t`."""
+        x = t - self.start_s
+        if x < self.t_first:
+            return 0
+        done = min(self.steps, self.steps_done_by(t))
+        while done > 0 and self.elapsed(done) > x:
+            done -= 1
+        return done
 
     def steps_done_by(self, t: float) -> int:
         """Steps finished once the step in progress at time `t` completes (at least 1)."""
@@ -115,18 +128,39 @@ class SimEngine:
     def add_request(self, req: EngineRequest, now: float) -> bool:
         """Queue a request. Returns True when the pending step end moved (a run was cut)."""
         self.sched.waiting.add(req)
+        return self._cut(now)
+
+    def _cut(self, now: float) -> bool:
+        """End a decode run at the step in progress at `now`, where vLLM would reschedule."""
         run = self._run
         if run is not None and self.busy_until is not None and now < self.busy_until:
-            done = run.steps_done_by(now)
+            done = max(run.applied + 1, run.steps_done_by(now))
             if done < run.steps:
                 run.steps = done
                 self.busy_until = run.start_s + run.elapsed(done)
                 return True
         return False
 
+    def sync(self, now: float) -> None:
+        """Bring a decode run's state up to `now`: the block operations, KV events and outputs
+        of every step scheduled by then, exactly as stepwise execution would have them. Callers
+        that observe the engine (index lookups, metrics scrapes) sync first."""
+        run = self._run
+        if run is None:
+            return
+        ended = min(run.steps - 1, run.steps_ended_by(now))
+        if ended <= run.applied:
+            return
+        self._advance_run(run, ended)
+
     @property
     def idle(self) -> bool:
         return self.busy_until is None
+
+    @property
+    def in_run(self) -> bool:
+        """A fast-forwarded decode run is in progress (state may need `sync`)."""
+        return self._run is not None
 
     @property
     def num_running(self) -> int:
@@ -140,6 +174,10 @@ class SimEngine:
     def start(self, now: float) -> float | None:
         """Schedule the next step (or run) at `now`; returns its end time, None when idle."""
         batch = self.sched.schedule()
+        while not batch.scheduled and batch.preempted:
+            # the request being scheduled preempted itself (priority policy) and nothing else
+            # was scheduled: vLLM's busy loop simply schedules again
+            batch = self.sched.schedule()
         if not batch.scheduled:
             self.busy_until = None
             self._step = None
@@ -186,8 +224,15 @@ class SimEngine:
         self.first_tokens, self.finished = [], []
         return first, done
 
-    def abort(self, req: EngineRequest, now: float) -> None:
-        """Drop a request (client went away): free its blocks, never emit another token."""
+    def abort(self, req: EngineRequest, now: float) -> bool:
+        """Drop a request (client went away): free its blocks, never emit another token.
+        Returns True when the pending step end moved (a decode run was cut)."""
+        moved = False
+        run = self._run
+        if run is not None and any(r is req for r, _ in run.members):
+            self.sync(now)
+            moved = self._cut(now)
+            run.members = [(r, c) for r, c in run.members if r is not req]
         if req.status is Status.RUNNING:
             self.sched.running.remove(req)
             self.sched.free(req)
@@ -195,6 +240,7 @@ class SimEngine:
             self.sched.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_s = now
+        return moved
 
     # -- internals -------------------------------------------------------------------------------
     def _finish(self, req: EngineRequest, now: float) -> None:
@@ -228,6 +274,8 @@ class SimEngine:
         if k <= 1:
             return None
         extra = self._kv_limited_extra_steps(members, k - 1)
+        if batch.admission_blocked:
+            extra = min(extra, self._steps_before_shared_fill(members))
         if extra <= 0:
             return None
         steps = extra + 1
@@ -254,31 +302,58 @@ class SimEngine:
                 hi = mid
         return lo
 
-    def _finish_run(self, run: DecodeRun, now: float) -> None:
-        steps = run.steps
-        extra = steps - 1
-        self.steps += steps
-        if extra:
-            self._replay_block_ops(run.members, extra)
+    def _steps_before_shared_fill(self, members: list[tuple[EngineRequest, int]]) -> int:
+        """Skipped steps before one fills a block whose content other requests may share.
+
+        A waiting head blocked on KV could hit such a block and fit (sessions whose content ids
+        cover generated text); that step must be scheduled normally, with admission."""
+        bs = self.block_size
+        limit = 1 << 30
+        for req, c in members:
+            s = (bs - 1 - c) % bs + 1  # first skipped step that fills a block
+            if (c + s) // bs - 1 < len(req.known_hashes):
+                limit = min(limit, s - 1)
+        return limit
+
+    def _advance_run(self, run: DecodeRun, upto: int) -> None:
+        """Schedule skipped steps applied+1..upto and apply the outputs of steps before them."""
+        first = run.applied + 1
+        if upto >= first:
+            self._replay_block_ops(run.members, first, upto)
+        gained = upto - run.applied
         for req, c in run.members:
-            req.num_computed = c + extra
-            req.num_output += steps
-        self.tokens_out += steps * len(run.members)
+            req.num_computed = c + upto
+            req.num_output += gained
+        self.tokens_out += gained * len(run.members)
+        self.steps += gained
+        run.applied = upto
+
+    def _finish_run(self, run: DecodeRun, now: float) -> None:
+        self._advance_run(run, run.steps - 1)
+        # the last step's outputs
+        for req, _ in run.members:
+            req.num_output += 1
+        self.tokens_out += len(run.members)
+        self.steps += 1
         for req, _ in run.members:
             if req.num_output >= req.max_output:
                 self._finish(req, now)
 
-    def _replay_block_ops(self, members: list[tuple[EngineRequest, int]], extra: int) -> None:
-        """Allocate and cache the blocks of `extra` skipped decode steps, in vLLM's order."""
+    def _replay_block_ops(
+        self, members: list[tuple[EngineRequest, int]], first: int, last: int
+    ) -> None:
+        """Allocate and cache the blocks of skipped decode steps first..last, in vLLM's order."""
         bs = self.block_size
         pool = self.pool
         ops: list[tuple[int, int, int]] = []  # (step, member index, 0 = allocate / 1 = cache)
         for idx, (_req, c) in enumerate(members):
             # step s (1-based) computes position c + s - 1
-            first_alloc = (-c) % bs + 1  # smallest s >= 1 with (c + s - 1) % bs == 0
-            ops.extend((s, idx, 0) for s in range(first_alloc, extra + 1, bs))
-            first_full = (bs - 1 - c) % bs + 1  # smallest s >= 1 with (c + s) % bs == 0
-            ops.extend((s, idx, 1) for s in range(first_full, extra + 1, bs))
+            a0 = (-c) % bs + 1  # smallest s >= 1 with (c + s - 1) % bs == 0
+            a0 += -(-(first - a0) // bs) * bs if first > a0 else 0
+            ops.extend((s, idx, 0) for s in range(a0, last + 1, bs))
+            f0 = (bs - 1 - c) % bs + 1  # smallest s >= 1 with (c + s) % bs == 0
+            f0 += -(-(first - f0) // bs) * bs if first > f0 else 0
+            ops.extend((s, idx, 1) for s in range(f0, last + 1, bs))
         ops.sort()
         for s, idx, kind in ops:
             req, c = members[idx]

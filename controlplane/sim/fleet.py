@@ -247,6 +247,7 @@ class FleetSim:
         cfg = self.config
         router = self.routers[i % len(self.routers)]
         rid = tr.request_id or f"req-{i}"
+        self._sync_all(now)
         predicted = router.predictor.predict(
             tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
         )
@@ -388,7 +389,15 @@ class FleetSim:
                 index.clear(rid)
             self.kv_events_applied += 1
 
+    def _sync_all(self, now: float) -> None:
+        """Routers are about to observe the fleet: bring fast-forwarded runs up to `now`."""
+        for rep in self.replicas:
+            if rep.engine.in_run:
+                rep.engine.sync(now)
+                self._publish(rep, now)
+
     def _scrape(self, now: float) -> None:
+        self._sync_all(now)
         for rep in self.replicas:
             eng = rep.engine
             rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.pool.usage, now)

@@ -15,7 +15,8 @@ token budget (`max_num_batched_tokens`). Each step:
 
 Blocks are hashed and published as soon as they are scheduled (`cache_blocks` inside
 `allocate_slots`), so a request admitted later in the same step already hits them. Prefix-cache
-stats (`vllm:prefix_cache_queries`/`hits`) are recorded at admission.
+stats (`vllm:prefix_cache_queries`/`hits`) are recorded at admission; a preempted request's
+re-admission goes to separate counters that vLLM does not export.
 """
 
 from __future__ import annotations
@@ -120,9 +121,13 @@ class Scheduler:
         self.priority_policy = priority_policy
         self.running: list[EngineRequest] = []
         self.waiting: WaitingQueue = PriorityWaitingQueue() if priority_policy else WaitingQueue()
-        # vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens), vllm:num_preemptions
+        # vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens), vllm:num_preemptions;
+        # a preempted request's re-admission is counted apart and not exported, as in vLLM's
+        # PrefixCacheStats.record(preempted=...)
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.preempted_prefix_queries = 0
+        self.preempted_prefix_hits = 0
         self.num_preemptions = 0
 
     # -- KV cache manager ----------------------------------------------------------------------
@@ -216,8 +221,12 @@ class Scheduler:
                 if not self._allocate_slots(req, num_new, hit_blocks):
                     batch.admission_blocked = True
                     break
-                self.prefix_queries += req.num_tokens
-                self.prefix_hits += num_computed
+                if req.preemptions:
+                    self.preempted_prefix_queries += req.num_tokens
+                    self.preempted_prefix_hits += num_computed
+                else:
+                    self.prefix_queries += req.num_tokens
+                    self.prefix_hits += num_computed
                 if req.cached_tokens < 0:
                     req.cached_tokens = num_computed
                 waiting.pop()
@@ -241,5 +250,6 @@ class Scheduler:
 
     def _pick_victim(self) -> EngineRequest:
         if self.priority_policy:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_s, r.uid))
+            # vLLM: max(running, key=(priority, arrival)); ties go to the first in running order
+            return max(self.running, key=lambda r: (r.priority, r.arrival_s))
         return self.running[-1]

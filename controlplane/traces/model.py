@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import chain
 
 from controlplane.errors import TraceError
 from controlplane.types import PriorityClass
@@ -57,8 +58,10 @@ class TraceRequest:
             )
         per = g // block_size
         full = min(self.described_tokens // block_size, len(self.content_ids) * per)
-        ids = self.content_ids
-        return [ids[j // per] * per + j % per for j in range(full)]
+        ids = self.content_ids[: -(-full // per)]
+        out = list(chain.from_iterable(range(i * per, i * per + per) for i in ids))
+        del out[full:]
+        return out
 
 
 @dataclass(frozen=True, slots=True)

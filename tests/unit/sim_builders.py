@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -87,10 +87,12 @@ def make_engine(
     fast_forward: bool = True,
     priority_policy: bool = False,
     events: bool = True,
-    **knobs: int,
+    knobs: Mapping[str, int] | None = None,
+    **more: int,
 ) -> SimEngine:
+    """An engine on `tiny_profile(**knobs, **more)`."""
     return SimEngine(
-        tiny_profile(**knobs),  # type: ignore[arg-type]
+        tiny_profile(**{**(knobs or {}), **more}),  # type: ignore[arg-type]
         events_enabled=events,
         priority_policy=priority_policy,
         fast_forward=fast_forward,
@@ -143,6 +145,11 @@ def make_request(
 def step(sched: Scheduler) -> tuple[StepBatch, list[EngineRequest]]:
     """Schedule one step and apply its outputs as `SimEngine.complete` does; returns finished."""
     batch = sched.schedule()
+    return batch, apply_outputs(sched, batch)
+
+
+def apply_outputs(sched: Scheduler, batch: StepBatch) -> list[EngineRequest]:
+    """A token for every scheduled request whose prompt is done; finish at `max_output`."""
     done: list[EngineRequest] = []
     for req, _n, _c in batch.scheduled:
         if req.status is not Status.RUNNING or req.num_computed < req.num_tokens:
@@ -153,7 +160,7 @@ def step(sched: Scheduler) -> tuple[StepBatch, list[EngineRequest]]:
             sched.running.remove(req)
             sched.free(req)
             done.append(req)
-    return batch, done
+    return done
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 10_000) -> list[StepBatch]:
@@ -208,6 +215,8 @@ class DriveResult:
     tokens_out: int
     # arrivals that cut a fast-forwarded decode run short
     cuts: int = 0
+    # the engine went idle with requests still running or waiting (nothing left to wake it)
+    stalled: bool = False
     end_s: float = 0.0
     step_ends: list[float] = field(default_factory=list)
 
@@ -225,6 +234,7 @@ def drive(engine: SimEngine, arrivals: Sequence[tuple[float, EngineRequest]]) ->
     heap: list[tuple[float, int, int, object, int]] = []
     seq = itertools.count()
     for t, req in sorted(arrivals, key=lambda p: p[0]):
+        assert engine.fits(req.prompt_tokens, req.max_output), f"{req} can never run here"
         heapq.heappush(heap, (t, next(seq), _ARRIVAL, req, 0))
     version = 0
     events: list[KVEvent] = []
@@ -268,6 +278,7 @@ def drive(engine: SimEngine, arrivals: Sequence[tuple[float, EngineRequest]]) ->
         steps=engine.steps,
         tokens_out=engine.tokens_out,
         cuts=cuts,
+        stalled=bool(engine.num_running or engine.num_waiting),
         end_s=now,
         step_ends=step_ends,
     )
@@ -319,9 +330,9 @@ def check_pool(pool: BlockPool, holders: Iterable[Sequence[int]] | None = None) 
         assert pool.block_hash(found[0]) == h
     if holders is not None:
         refs: dict[int, int] = {}
-        for blocks in holders:
-            assert len(blocks) == len(set(blocks)), f"{blocks} holds a block twice"
-            for b in blocks:
+        for held in holders:
+            assert len(held) == len(set(held)), f"{held} holds a block twice"
+            for b in held:
                 refs[b] = refs.get(b, 0) + 1
         for b in range(1, n):
             assert pool.ref_count(b) == refs.get(b, 0), (

@@ -461,7 +461,7 @@ def test_queue_compaction_keeps_lru_order() -> None:
 
 # -- stateful property test against the model -------------------------------------------------
 
-HASHES = st.integers(min_value=0, max_value=12)
+HASHES = st.integers(min_value=0, max_value=7)
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -542,6 +542,9 @@ class PoolMachine(RuleBasedStateMachine):
         for b in range(pool.num_blocks):
             assert pool.ref_count(b) == model.ref[b]
             assert pool.block_hash(b) == model.hash[b]
+        for h in range(8):
+            assert pool.longest_cached_prefix([h], 1) == model.lookup([h], 1)
+        assert pool.num_cached == sum(len(v) for v in model.index.values())
         assert flatten_events(pool.take_events()) == model.events
         model.events = []
         check_pool(pool, self.owners.values())
@@ -557,7 +560,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=200,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -1,0 +1,40 @@
+"""Run every benchmark in order; each prints its table and writes its JSON under --out."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCHES = ("roofline_fidelity.py", "sim_fidelity.py", "sim_speed.py", "routing_quality.py")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="out/bench", help="output folder for JSON and plots")
+    parser.add_argument("--only", default="", help="comma-separated subset of benchmark names")
+    args = parser.parse_args()
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "CP_BENCH_OUT": args.out}
+    chosen = [b for b in BENCHES if not args.only or b.removesuffix(".py") in args.only.split(",")]
+    failed = []
+    for bench in chosen:
+        print(f"\n=== {bench}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.call([sys.executable, str(here / bench)], env=env, cwd=here.parent)
+        print(
+            f"=== {bench}: {'ok' if rc == 0 else f'FAILED ({rc})'} in "
+            f"{time.perf_counter() - t0:.0f}s",
+            flush=True,
+        )
+        if rc:
+            failed.append(bench)
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""FleetSim (light): requests finish once, nothing leaks, the single-replica ceiling is exact."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from sim_builders import PoolGuard, check_scheduler
+
+from controlplane.roofline.profile import profile
+from controlplane.sim.fleet import FleetConfig, FleetSim
+from controlplane.sim.results import FleetResult
+from controlplane.traces import infinite_cache_ceiling, load_trace, multi_turn, shared_prefix
+from controlplane.traces.model import Trace
+from router.policies import make_policy
+
+
+def small_trace() -> Trace:
+    return shared_prefix(groups=4, users=4, prefix=600, question=150, output=40, rate=20.0, seed=7)
+
+
+def session_trace() -> Trace:
+    return multi_turn(
+        sessions=30, turns=4, first=500, message=150, output=200, think=0.5, rate=5.0, seed=3
+    )
+
+
+def run_fleet(
+    trace: Trace,
+    *,
+    policy: str = "prefix_affinity",
+    replicas: int = 2,
+    routers: int = 1,
+    num_blocks: int = 400,
+    fast_forward: bool = True,
+    scrape_interval_s: float = 0.5,
+    max_model_len: int = 0,
+) -> tuple[FleetSim, FleetResult]:
+    prof = profile(
+        "h100",
+        "llama-3.1-8b",
+        block_size=16,
+        num_gpu_blocks_override=num_blocks,
+        max_model_len=max_model_len,
+    )
+    cfg = FleetConfig(
+        profile=prof,
+        replicas=replicas,
+        routers=routers,
+        fast_forward=fast_forward,
+        scrape_interval_s=scrape_interval_s,
+    )
+    sim = FleetSim(cfg, functools.partial(make_policy, policy))
+    return sim, sim.run(trace)
+
+
+def assert_clean(sim: FleetSim, result: FleetResult, trace: Trace) -> None:
+    assert len(result.records) == len(trace)
+    ids = [r.request_id for r in result.records]
+    assert len(set(ids)) == len(ids)
+    for rec in result.records:
+        assert rec.completed, rec
+        assert rec.arrival_s <= rec.first_token_s <= rec.finish_s
+        assert 0 <= rec.cached_tokens < rec.prompt_tokens
+    # every request was finished exactly once: a second finish would have failed to pop it
+    assert sim._routing == {}
+    for router in sim.routers:
+        assert len(router.ledger) == 0, "leaked reservations"
+    with PoolGuard() as guard:
+        for rep in sim.replicas:
+            assert rep.engine.idle
+            guard.watch(rep.engine)
+            check_scheduler(rep.engine.sched)
+    tokens = sum(rec.output_tokens for rec in result.records)
+    assert sum(s.tokens_out for s in result.replicas) == tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "routers", "num_blocks", "scrape"),
+    [
+        ("round_robin", 1, 400, 0.5),
+        ("prefix_affinity", 1, 400, 0.5),
+        ("prefix_affinity", 2, 120, 0.0),  # KV pressure: preemptions
+        ("least_loaded", 2, 400, 0.1),
+    ],
+)
+def test_two_replicas_finish_every_request_once(
+    policy: str, routers: int, num_blocks: int, scrape: float
+) -> None:
+    trace = small_trace()
+    sim, result = run_fleet(
+        trace, policy=policy, routers=routers, num_blocks=num_blocks, scrape_interval_s=scrape
+    )
+    assert_clean(sim, result, trace)
+    assert {rec.replica for rec in result.records} == {"replica-0", "replica-1"}
+    assert result.kv_events_applied > 0
+
+
+def test_kv_pressure_case_preempts() -> None:
+    trace = small_trace()
+    sim, result = run_fleet(trace, routers=2, num_blocks=120, scrape_interval_s=0.0)
+    assert sum(s.preemptions for s in result.replicas) > 0
+    assert_clean(sim, result, trace)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_single_replica_unlimited_kv_reaches_the_infinite_cache_ceiling(block_size: int) -> None:
+    trace = load_trace("mooncake-fixture")
+    prof = profile(
+        "h100",
+        "llama-3.1-8b",
+        block_size=block_size,
+        num_gpu_blocks_override=4_000_000 // block_size,
+        max_model_len=200_000,  # the fixture's longest request would be rejected at 128k
+    )
+    policy = functools.partial(make_policy, "round_robin")
+    sim = FleetSim(FleetConfig(profile=prof, replicas=1), policy)
+    result = sim.run(trace)
+    assert_clean(sim, result, trace)
+    ceiling = infinite_cache_ceiling(trace, block_size)
+    assert ceiling.hit_tokens > 0
+    assert sum(rec.cached_tokens for rec in result.records) == ceiling.hit_tokens
+    (stats,) = result.replicas
+    assert stats.prefix_hits == ceiling.hit_tokens
+    assert stats.prefix_queries == ceiling.prompt_tokens
+    assert stats.preemptions == 0
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_fast_forward_does_not_change_a_fleet_run(policy: str) -> None:
+    """Policies that read neither the prefix index nor KV usage route identically."""
+    trace = session_trace()
+    results = [
+        run_fleet(trace, policy=policy, num_blocks=300, fast_forward=ff)[1] for ff in (False, True)
+    ]
+    step, ff = results
+    assert sum(s.preemptions for s in step.replicas) > 0
+    for a, b in zip(step.records, ff.records, strict=True):
+        assert (a.replica, a.cached_tokens, a.preemptions) == (
+            b.replica,
+            b.cached_tokens,
+            b.preemptions,
+        )
+        assert b.finish_s == pytest.approx(a.finish_s, rel=1e-6)
+        assert b.first_token_s == pytest.approx(a.first_token_s, rel=1e-6)
+    assert [s.preemptions for s in step.replicas] == [s.preemptions for s in ff.replicas]
+    assert [s.steps for s in step.replicas] == [s.steps for s in ff.replicas]
+
+
+def test_fast_forward_does_not_change_index_driven_routing() -> None:
+    trace = session_trace()
+    step = run_fleet(trace, num_blocks=300, fast_forward=False)[1]
+    ff = run_fleet(trace, num_blocks=300, fast_forward=True)[1]
+    assert [r.replica for r in step.records] == [r.replica for r in ff.records]
+    assert [r.cached_tokens for r in step.records] == [r.cached_tokens for r in ff.records]
