@@ -101,8 +101,7 @@ class InMemoryPrefixIndex:
         now = self._clock()
         first = hashes[0]
         for rid in candidates:
-            held = self._confirmed.get(rid)
-            confirmed = sum(1 for _ in takewhile(held.__contains__, hashes)) if held else 0
+            confirmed = self._walk(rid, hashes, 0)
             spec = 0
             by_first = self._speculative.get(rid)
             if by_first is not None:
@@ -118,14 +117,18 @@ class InMemoryPrefixIndex:
                         spec = max(spec, _common_prefix(hashes, chain))
             matched = confirmed
             if spec > confirmed:
-                matched = spec
-                if held:
-                    matched += sum(
-                        1 for _ in takewhile(held.__contains__, islice(hashes, spec, None))
-                    )
+                matched = spec + self._walk(rid, hashes, spec)
             if matched:
                 out[rid] = PrefixMatch(rid, matched, confirmed)
         return out
+
+    def _walk(self, replica_id: str, hashes: Sequence[int], start: int) -> int:
+        """Leading blocks of `hashes[start:]` confirmed on the replica (first miss ends it)."""
+        held = self._confirmed.get(replica_id)
+        if not held:
+            return 0
+        tail = hashes if start == 0 else islice(hashes, start, None)
+        return sum(1 for _ in takewhile(held.__contains__, tail))
 
     def held_blocks(self, replica_id: str) -> int:
         return len(self._confirmed.get(replica_id, ()))

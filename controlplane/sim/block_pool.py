@@ -12,21 +12,37 @@
 - Requests free their blocks tail first (the caller passes them reversed), so a request's last
   blocks are evicted before its first ones.
 
-Speed. A replay moves millions of blocks, so the hot paths are single tight loops over local
-variables (measured faster than chains of `map` passes, and than compiling them with mypyc). The
-free queue is a list with a head index and lazy deletion: `_qpos[b]` is the position of block b's
-live queue entry (-1 when b is not free); taking a block out of the middle just clears
-`_qpos[b]`, and the head skips entries whose position no longer matches.
+Hashes are non-negative integer ids. The simulator relabels content hashes as dense ids (an
+injective relabeling keeps equality and chaining, all that lookups use), so the hash -> block map is
+a plain array indexed by id that grows on demand.
+
+Speed. A replay moves millions of blocks, so every operation on a batch is a handful of numpy
+array operations (per-block cost of a few nanoseconds); single-block calls, the common case
+during decode, take a scalar path. The free queue is a ring of block ids with lazy deletion:
+`_qpos[b]` is the position of block b's live entry (-1 when b is not free); taking a block out of
+the middle only clears `_qpos[b]`, and the head skips entries whose position no longer matches.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import repeat
+
+import numpy as np
+import numpy.typing as npt
 
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
-_COMPACT_AT = 1 << 16
+Blocks = npt.NDArray[np.int64]
+IdsLike = Sequence[int] | npt.NDArray[np.int64]
+_EMPTY: Blocks = np.zeros(0, dtype=np.int64)
+_SMALL = 8  # batches up to this size take the scalar path
+
+
+MAX_ID = 1 << 28  # hash ids index an array: keep them dense (controlplane.sim.ids)
+
+
+def as_ids(values: IdsLike) -> Blocks:
+    return values if isinstance(values, np.ndarray) else np.asarray(values, dtype=np.int64)
 
 
 class BlockPool:
@@ -37,11 +53,12 @@ class BlockPool:
         "_dups",
         "_fresh_next",
         "_hash",
+        "_head",
         "_nfree",
-        "_q",
-        "_qh",
         "_qpos",
         "_ref",
+        "_ring",
+        "_tail",
         "block_size",
         "enable_caching",
         "events",
@@ -64,17 +81,20 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.events_enabled = events_enabled
         self.events: list[KVEvent] = []
-        # per-block state for blocks handed out at least once (index = block id)
-        self._ref: list[int] = [1]  # the null block is permanently held
-        self._hash: list[int | None] = [None]
-        self._qpos: list[int] = [-1]
+        # per-block state, grown as fresh blocks are handed out (index = block id)
+        start = min(num_blocks, 1 << 16)
+        self._ref = np.zeros(start, dtype=np.int64)
+        self._ref[0] = 1  # the null block is permanently held
+        self._hash = np.full(start, -1, dtype=np.int64)
+        self._qpos = np.full(start, -1, dtype=np.int64)
         self._fresh_next = 1
-        # recycled free blocks in LRU order from `_qh` on, with stale entries skipped lazily
-        self._q: list[int] = []
-        self._qh = 0
+        # recycled free blocks in LRU order between _head and _tail, stale entries skipped lazily
+        self._ring = np.zeros(1 << 16, dtype=np.int64)
+        self._head = 0
+        self._tail = 0
         self._nfree = 0
-        # hash -> earliest block holding it; later duplicates in insertion order
-        self._cached: dict[int, int] = {}
+        # hash id -> earliest block holding it (-1: not cached); later duplicates by insertion
+        self._cached = np.full(1 << 16, -1, dtype=np.int64)
         self._dups: dict[int, list[int]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -90,135 +110,155 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._cached) + sum(len(v) for v in self._dups.values())
+        return int(np.count_nonzero(self._cached >= 0)) + sum(len(v) for v in self._dups.values())
 
     def ref_count(self, block: int) -> int:
-        return self._ref[block] if block < len(self._ref) else 0
+        return int(self._ref[block]) if block < self._fresh_next else 0
 
     def block_hash(self, block: int) -> int | None:
-        return self._hash[block] if block < len(self._hash) else None
+        if block >= self._fresh_next:
+            return None
+        h = int(self._hash[block])
+        return None if h < 0 else h
+
+    def cached_block(self, h: int) -> int | None:
+        if h >= len(self._cached):
+            return None
+        b = int(self._cached[h])
+        return None if b < 0 else b
 
     def is_free(self, block: int) -> bool:
         return block >= self._fresh_next or self._qpos[block] >= 0
 
     def free_queue(self) -> list[int]:
-        """Recycled free blocks in eviction order (for tests; fresh blocks come before these)."""
-        q, qpos = self._q, self._qpos
-        return [b for i, b in enumerate(q[self._qh :], self._qh) if qpos[b] == i]
+        """Recycled free blocks in eviction order (fresh blocks come before these)."""
+        pos = np.arange(self._head, self._tail)
+        live = self._ring[self._head : self._tail]
+        return [int(b) for b in live[self._qpos[live] == pos]]
 
-    def longest_cached_prefix(self, hashes: Sequence[int], max_blocks: int) -> list[int]:
+    def longest_cached_prefix(self, hashes: IdsLike, max_blocks: int) -> Blocks:
         """Blocks holding the leading `hashes`, stopping at the first miss or `max_blocks`."""
-        if not self.enable_caching or max_blocks <= 0 or not hashes:
-            return []
-        get = self._cached.get
-        if get(hashes[0]) is None:
-            return []
-        limit = min(max_blocks, len(hashes))
-        found = list(map(get, hashes[:limit]))
-        if None in found:
-            del found[found.index(None) :]
-        return found  # type: ignore[return-value]
+        n = min(max_blocks, len(hashes))
+        if not self.enable_caching or n <= 0:
+            return _EMPTY
+        cached = self._cached
+        first = int(hashes[0])
+        if first >= len(cached) or cached[first] < 0:
+            return _EMPTY
+        ids = as_ids(hashes)[:n]
+        inside = ids < len(cached)
+        if not inside.all():
+            ids = ids[: int(np.argmin(inside))]
+        found = cached[ids]
+        miss = np.flatnonzero(found < 0)
+        return found[: miss[0]] if len(miss) else found
 
-    def evictable_among(self, blocks: Sequence[int]) -> int:
+    def evictable_among(self, blocks: IdsLike) -> int:
         """How many of `blocks` are free now (reusing them takes them out of the free queue)."""
-        return list(map(self._ref.__getitem__, blocks)).count(0)
+        return int(np.count_nonzero(self._ref[as_ids(blocks)] == 0)) if len(blocks) else 0
+
+    def reserve_ids(self, size: int) -> None:
+        """Make room for hash ids below `size` up front (one allocation instead of doublings)."""
+        self._grow_ids(size)
 
     # -- mutations -------------------------------------------------------------------------------
-    def touch(self, blocks: Sequence[int]) -> None:
+    def touch(self, blocks: IdsLike) -> None:
         """Take a reference on cache hits, pulling free ones out of the free queue."""
-        ref, qpos = self._ref, self._qpos
-        taken = 0
-        for b in blocks:
-            r = ref[b]
-            if not r:
-                qpos[b] = -1
-                taken += 1
-            ref[b] = r + 1
-        self._nfree -= taken
+        if not len(blocks):
+            return
+        blocks = as_ids(blocks)
+        refs = self._ref[blocks]
+        taken = blocks[refs == 0]
+        if len(taken):
+            self._qpos[taken] = -1
+            self._nfree -= len(taken)
+        self._ref[blocks] = refs + 1
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int) -> Blocks:
         """Pop `n` blocks from the head of the free queue, evicting cached ones."""
         if n > self.num_free:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
+        if n <= _SMALL:
+            return np.array(self._allocate_small(n), dtype=np.int64)
         start = self._fresh_next
         fresh = min(n, self.num_blocks - start)
-        out = list(range(start, start + fresh))
+        parts: list[Blocks] = []
         if fresh:
+            self._grow_blocks(start + fresh)
             self._fresh_next = start + fresh
-            self._ref.extend(repeat(1, fresh))
-            self._hash.extend(repeat(None, fresh))
-            self._qpos.extend(repeat(-1, fresh))
+            self._ref[start : start + fresh] = 1
+            parts.append(np.arange(start, start + fresh, dtype=np.int64))
         rest = n - fresh
-        if not rest:
-            return out
-        q, qpos, ref, hashes = self._q, self._qpos, self._ref, self._hash
-        cached = self._cached
-        no_dups = not self._dups
-        evicted: list[int] = []
-        head = self._qh
-        append = out.append
-        while rest:
-            b = q[head]
-            if qpos[b] == head:
-                qpos[b] = -1
-                ref[b] = 1
-                h = hashes[b]
-                if h is not None:
-                    hashes[b] = None
-                    if no_dups:
-                        del cached[h]
-                    else:
-                        self._drop_copy(b, h)
-                        no_dups = not self._dups
-                    evicted.append(h)
-                append(b)
-                rest -= 1
-            head += 1
-        self._qh = head
-        self._nfree -= n - fresh
-        if evicted and self.events_enabled:
-            last = self.events[-1] if self.events else None
-            if isinstance(last, BlockRemoved):
-                last.block_hashes.extend(evicted)
-            else:
-                self.events.append(BlockRemoved(evicted))
-        if head > _COMPACT_AT and head > len(q) // 2:
-            self._compact()
-        return out
+        if rest:
+            popped = self._popleft(rest)
+            old = self._hash[popped]
+            gone = old >= 0
+            if gone.any():
+                evicted = old[gone]
+                self._evict(popped[gone], evicted)
+                self._hash[popped] = -1
+            self._ref[popped] = 1
+            parts.append(popped)
+        if not parts:
+            return _EMPTY
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def cache(self, blocks: Sequence[int], hashes: Sequence[int], parent: int | None) -> None:
-        """Mark newly full blocks as cached under their chained hashes (one `BlockStored`)."""
-        if not self.enable_caching or not blocks:
+    def cache(self, blocks: IdsLike, hashes: IdsLike, parent: int | None) -> None:
+        """Mark newly full blocks as cached under their chained hashes (one `BlockStored`).
+
+        Hashes are dense non-negative ids below `MAX_ID`."""
+        if not self.enable_caching or not len(blocks):
             return
-        block_hash = self._hash
+        if len(blocks) <= _SMALL:
+            small = [int(h) for h in hashes]
+            if len(small) != len(blocks):
+                raise ValueError("cache: one hash per block")
+            self._cache_small([int(b) for b in blocks], small, parent)
+            return
+        blocks = as_ids(blocks)
+        ids = as_ids(hashes)
+        if len(ids) != len(blocks):
+            raise ValueError("cache: one hash per block")
+        self._grow_ids(int(ids.max()) + 1)
         cached = self._cached
-        setdefault = cached.setdefault
-        for b, h in zip(blocks, hashes, strict=True):
-            block_hash[b] = h
-            if setdefault(h, b) != b:
-                self._dups.setdefault(h, []).append(b)
+        self._hash[blocks] = ids
+        current = cached[ids]
+        distinct = bool((np.diff(ids) > 0).all()) or len(np.unique(ids)) == len(ids)
+        if distinct and (current < 0).all():
+            cached[ids] = blocks
+        else:
+            for b, h in zip(blocks.tolist(), ids.tolist(), strict=True):
+                if cached[h] < 0:
+                    cached[h] = b
+                else:
+                    self._dups.setdefault(h, []).append(b)
         if self.events_enabled:
-            self.events.append(BlockStored(list(hashes), parent, self.block_size))
+            self.events.append(BlockStored(ids.tolist(), parent, self.block_size))
 
-    def free(self, blocks_tail_first: Sequence[int]) -> None:
+    def free(self, blocks_tail_first: IdsLike) -> None:
         """Drop one reference from each block; unreferenced ones join the free queue's tail."""
-        ref, qpos, q = self._ref, self._qpos, self._q
-        freed = 0
-        for b in blocks_tail_first:
-            r = ref[b] - 1
-            ref[b] = r
-            if not r:
-                qpos[b] = len(q)
-                q.append(b)
-                freed += 1
-        self._nfree += freed
+        if not len(blocks_tail_first):
+            return
+        blocks_tail_first = as_ids(blocks_tail_first)
+        refs = self._ref[blocks_tail_first] - 1
+        self._ref[blocks_tail_first] = refs
+        freed = blocks_tail_first[refs == 0]
+        k = len(freed)
+        if not k:
+            return
+        self._reserve_ring(k)
+        tail = self._tail
+        self._ring[tail : tail + k] = freed
+        self._qpos[freed] = np.arange(tail, tail + k)
+        self._tail = tail + k
+        self._nfree += k
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (only when no block is in use, as vLLM requires)."""
         if self.num_free != self.num_blocks - 1:
             return False
-        self._hash = [None] * len(self._hash)
-        self._cached.clear()
+        self._hash[:] = -1
+        self._cached[:] = -1
         self._dups.clear()
         if self.events_enabled:
             self.events.append(AllBlocksCleared())
@@ -229,28 +269,142 @@ class BlockPool:
         return events
 
     # -- internals -------------------------------------------------------------------------------
-    def _compact(self) -> None:
-        """Drop the consumed head and stale entries of the free queue; renumber positions."""
-        q, qpos, head = self._q, self._qpos, self._qh
-        live = [b for i, b in enumerate(q[head:], head) if qpos[b] == i]
-        for i, b in enumerate(live):
-            qpos[b] = i
-        self._q = live
-        self._qh = 0
+    def _allocate_small(self, n: int) -> list[int]:
+        """`allocate` for a few blocks, one at a time with scalar array access."""
+        out: list[int] = []
+        start = self._fresh_next
+        fresh = min(n, self.num_blocks - start)
+        if fresh:
+            self._grow_blocks(start + fresh)
+            self._fresh_next = start + fresh
+            self._ref[start : start + fresh] = 1
+            out.extend(range(start, start + fresh))
+        rest = n - fresh
+        if not rest:
+            return out
+        ring, qpos, hashes, ref = self._ring, self._qpos, self._hash, self._ref
+        head = self._head
+        evicted: list[int] = []
+        while rest:
+            b = int(ring[head])
+            if qpos[b] == head:
+                qpos[b] = -1
+                h = int(hashes[b])
+                if h >= 0:
+                    hashes[b] = -1
+                    if self._dups:
+                        self._drop_copy(b, h)
+                    else:
+                        self._cached[h] = -1
+                    evicted.append(h)
+                ref[b] = 1
+                out.append(b)
+                rest -= 1
+            head += 1
+        self._head = head
+        self._nfree -= n - fresh
+        if evicted and self.events_enabled:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.extend(evicted)
+            else:
+                self.events.append(BlockRemoved(evicted))
+        return out
+
+    def _cache_small(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
+        if min(hashes) < 0:
+            raise ValueError("hash ids are non-negative")
+        self._grow_ids(max(hashes) + 1)
+        cached, block_hash = self._cached, self._hash
+        for b, h in zip(blocks, hashes, strict=True):
+            block_hash[b] = h
+            if cached[h] < 0:
+                cached[h] = b
+            else:
+                self._dups.setdefault(h, []).append(b)
+        if self.events_enabled:
+            self.events.append(BlockStored(hashes, parent, self.block_size))
+
+    def _popleft(self, n: int) -> Blocks:
+        """The `n` live blocks at the head of the recycled free queue, taken out of it."""
+        ring, qpos = self._ring, self._qpos
+        head = self._head
+        parts: list[Blocks] = []
+        need = n
+        while need:
+            window = min(self._tail - head, 2 * need + 64)
+            cand = ring[head : head + window]
+            live = np.flatnonzero(qpos[cand] == np.arange(head, head + window))
+            if len(live) >= need:
+                live = live[:need]
+                head += int(live[-1]) + 1
+            else:
+                head += window
+            parts.append(cand[live])
+            need -= len(live)
+        out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        qpos[out] = -1
+        self._head = head
+        self._nfree -= n
+        return out
+
+    def _evict(self, blocks: Blocks, hashes: Blocks) -> None:
+        """Drop the cache entries of evicted `blocks` that held `hashes`."""
+        if not self._dups:
+            self._cached[hashes] = -1
+        else:
+            for b, h in zip(blocks.tolist(), hashes.tolist(), strict=True):
+                self._drop_copy(b, h)
+        if self.events_enabled:
+            removed = hashes.tolist()
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.extend(removed)
+            else:
+                self.events.append(BlockRemoved(removed))
 
     def _drop_copy(self, block: int, h: int) -> None:
         """Forget that `block` holds `h`; the earliest remaining copy stays findable."""
         cached, dups = self._cached, self._dups
-        if cached.get(h) == block:
+        if cached[h] == block:
             later = dups.get(h)
             if later:
                 cached[h] = later.pop(0)
                 if not later:
                     del dups[h]
             else:
-                del cached[h]
+                cached[h] = -1
         else:
             later = dups[h]
             later.remove(block)
             if not later:
                 del dups[h]
+
+    def _grow_blocks(self, size: int) -> None:
+        cur = len(self._ref)
+        if size <= cur:
+            return
+        new = min(self.num_blocks, max(size, 2 * cur))
+        self._ref = np.concatenate((self._ref, np.zeros(new - cur, dtype=np.int64)))
+        self._hash = np.concatenate((self._hash, np.full(new - cur, -1, dtype=np.int64)))
+        self._qpos = np.concatenate((self._qpos, np.full(new - cur, -1, dtype=np.int64)))
+
+    def _grow_ids(self, size: int) -> None:
+        if size > MAX_ID:
+            raise ValueError(f"hash id {size - 1} is not dense (limit {MAX_ID}); see sim.ids")
+        cur = len(self._cached)
+        if size > cur:
+            extra = max(size, cur + cur // 2) - cur
+            self._cached = np.concatenate((self._cached, np.full(extra, -1, dtype=np.int64)))
+
+    def _reserve_ring(self, k: int) -> None:
+        if self._tail + k <= len(self._ring):
+            return
+        head, tail = self._head, self._tail
+        live = self._ring[head:tail]
+        live = live[self._qpos[live] == np.arange(head, tail)]
+        size = max(len(self._ring), 2 * (len(live) + k))
+        ring = np.zeros(size, dtype=np.int64)
+        ring[: len(live)] = live
+        self._qpos[live] = np.arange(len(live))
+        self._ring, self._head, self._tail = ring, 0, len(live)

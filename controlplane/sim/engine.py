@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from controlplane.roofline.profile import EngineProfile
 from controlplane.roofline.step import StepCostModel
 from controlplane.sim.block_pool import BlockPool
@@ -87,6 +89,8 @@ class SimEngine:
         priority_policy: bool = False,
         fast_forward: bool = True,
         num_gpu_blocks: int | None = None,
+        unique_id_floor: int = 1 << 20,
+        exact_events: bool = False,
     ) -> None:
         self.profile = profile
         self.cost = StepCostModel.from_profile(profile)
@@ -106,6 +110,11 @@ class SimEngine:
             priority_policy=priority_policy,
         )
         self.fast_forward = fast_forward
+        # replay a run's skipped steps op by op, so KV events interleave exactly as stepwise;
+        # otherwise allocations are batched (same pool state, events grouped per run segment)
+        self.exact_events = exact_events
+        # hash ids for content only one request has start here (above every shared id)
+        self._next_unique = unique_id_floor
         self.busy_until: float | None = None
         self._started_s = 0.0
         self._step: StepBatch | None = None
@@ -125,8 +134,17 @@ class SimEngine:
             return False
         return -(-(total - 1) // self.block_size) <= self.pool.num_blocks - 1
 
+    def reserve_ids(self, floor: int) -> None:
+        """Hash ids below `floor` belong to shared content; unique ids are assigned above it."""
+        self._next_unique = max(self._next_unique, floor)
+        self.pool.reserve_ids(self._next_unique + (1 << 16))
+
     def add_request(self, req: EngineRequest, now: float) -> bool:
         """Queue a request. Returns True when the pending step end moved (a run was cut)."""
+        if req.unique_base < 0:
+            blocks = -(-(req.prompt_tokens + req.max_output) // self.block_size)
+            req.unique_base = self._next_unique
+            self._next_unique += max(1, blocks - len(req.known_hashes))
         self.sched.waiting.add(req)
         return self._cut(now)
 
@@ -140,6 +158,36 @@ class SimEngine:
                 self.busy_until = run.start_s + run.elapsed(done)
                 return True
         return False
+
+    def kv_usage(self, now: float) -> float:
+        """KV usage (vllm:kv_cache_usage_perc) at `now`, counting a run's allocations by then."""
+        run = self._run
+        used = self.pool.num_blocks - 1 - self.pool.num_free
+        if run is not None:
+            ended = min(run.steps - 1, run.steps_ended_by(now))
+            if ended > run.applied:
+                used += self._allocations(run, run.applied + 1, ended)
+        return used / (self.pool.num_blocks - 1)
+
+    @property
+    def run_caches_shared(self) -> bool:
+        """The run in progress will cache blocks other requests can hit (session content)."""
+        run = self._run
+        return run is not None and any(
+            len(req.known_hashes) > req.num_cached_blocks for req, _ in run.members
+        )
+
+    def _allocations(self, run: DecodeRun, first: int, last: int) -> int:
+        """Blocks the run's skipped steps first..last allocate."""
+        bs = self.block_size
+        total = 0
+        for _req, c in run.members:
+            a0 = (-c) % bs + 1
+            if first > a0:
+                a0 += -(-(first - a0) // bs) * bs
+            if a0 <= last:
+                total += (last - a0) // bs + 1
+        return total
 
     def sync(self, now: float) -> None:
         """Bring a decode run's state up to `now`: the block operations, KV events and outputs
@@ -342,27 +390,67 @@ class SimEngine:
     def _replay_block_ops(
         self, members: list[tuple[EngineRequest, int]], first: int, last: int
     ) -> None:
-        """Allocate and cache the blocks of skipped decode steps first..last, in vLLM's order."""
+        """Allocate and cache the blocks of skipped decode steps first..last, in vLLM's order.
+
+        Step s (1-based) computes position c + s - 1: it allocates a block when that position
+        starts one, and caches a block when position c + s completes one."""
         bs = self.block_size
-        pool = self.pool
-        ops: list[tuple[int, int, int]] = []  # (step, member index, 0 = allocate / 1 = cache)
+        allocs: list[tuple[int, int]] = []  # (step, member index)
         for idx, (_req, c) in enumerate(members):
-            # step s (1-based) computes position c + s - 1
             a0 = (-c) % bs + 1  # smallest s >= 1 with (c + s - 1) % bs == 0
-            a0 += -(-(first - a0) // bs) * bs if first > a0 else 0
-            ops.extend((s, idx, 0) for s in range(a0, last + 1, bs))
+            if first > a0:
+                a0 += -(-(first - a0) // bs) * bs
+            allocs.extend((s, idx) for s in range(a0, last + 1, bs))
+        if self.exact_events:
+            self._replay_exact(members, allocs, first, last)
+            return
+        pool = self.pool
+        if len(allocs) == 1:
+            req = members[allocs[0][1]][0]
+            req.blocks = np.append(req.blocks, pool.allocate(1))
+        elif allocs:
+            allocs.sort()
+            popped = pool.allocate(len(allocs))
+            owner = np.fromiter((idx for _, idx in allocs), dtype=np.int64, count=len(allocs))
+            order = np.argsort(owner, kind="stable")
+            counts = np.bincount(owner, minlength=len(members))
+            offset = 0
+            for idx, (req, _c) in enumerate(members):
+                k = int(counts[idx])
+                if k:
+                    got = popped[order[offset : offset + k]]
+                    req.blocks = np.concatenate((req.blocks, got))
+                    offset += k
+        if pool.enable_caching:
+            for req, c in members:
+                self._cache_full(req, (c + last) // bs)
+
+    def _replay_exact(
+        self,
+        members: list[tuple[EngineRequest, int]],
+        allocs: list[tuple[int, int]],
+        first: int,
+        last: int,
+    ) -> None:
+        bs = self.block_size
+        ops = [(s, idx, 0) for s, idx in allocs]
+        for idx, (_req, c) in enumerate(members):
             f0 = (bs - 1 - c) % bs + 1  # smallest s >= 1 with (c + s) % bs == 0
-            f0 += -(-(first - f0) // bs) * bs if first > f0 else 0
+            if first > f0:
+                f0 += -(-(first - f0) // bs) * bs
             ops.extend((s, idx, 1) for s in range(f0, last + 1, bs))
         ops.sort()
+        pool = self.pool
         for s, idx, kind in ops:
             req, c = members[idx]
             if kind == 0:
-                req.blocks.extend(pool.allocate(1))
-            else:
-                full = (c + s) // bs
-                start = req.num_cached_blocks
-                if full > start and pool.enable_caching:
-                    parent = req.block_hash(start - 1) if start else None
-                    pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
-                    req.num_cached_blocks = full
+                req.blocks = np.concatenate((req.blocks, pool.allocate(1)))
+            elif pool.enable_caching:
+                self._cache_full(req, (c + s) // bs)
+
+    def _cache_full(self, req: EngineRequest, full: int) -> None:
+        start = req.num_cached_blocks
+        if full > start:
+            parent = req.block_hash(start - 1) if start else None
+            self.pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
+            req.num_cached_blocks = full

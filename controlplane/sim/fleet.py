@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 
 from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.roofline.profile import EngineProfile
+from controlplane.sim.block_pool import BlockPool
 from controlplane.sim.engine import SimEngine
+from controlplane.sim.engine_index import EngineBackedIndex
+from controlplane.sim.ids import Ids, dense_block_ids
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from controlplane.sim.request import EngineRequest, Status, priority_value
 from controlplane.sim.results import FleetResult, ReplicaStats, RequestRecord
@@ -97,9 +100,17 @@ class FleetSim:
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object, object]] = []
         self._seq = itertools.count()
-        self.index = InMemoryPrefixIndex(clock=lambda: self.now)
         self.replicas: list[_Replica] = []
         self._by_id: dict[str, _Replica] = {}
+        # zero event delay: the index reads the engines' pools (identical state, no events)
+        self._direct = config.kv_event_delay_s <= 0 and config.eviction_notice_delay_s <= 0
+        self._pools: dict[str, BlockPool] = {}
+        self._id_floor = 0
+        self.index: InMemoryPrefixIndex = (
+            EngineBackedIndex(lambda: self.now, self._pools, self._sync_for_lookup)
+            if self._direct
+            else InMemoryPrefixIndex(clock=lambda: self.now)
+        )
         self.routers = [
             _Router(
                 policy_factory(),
@@ -120,11 +131,13 @@ class FleetSim:
         rid = f"replica-{len(self.replicas)}"
         engine = SimEngine(
             cfg.profile,
-            events_enabled=True,
+            events_enabled=not self._direct,
             priority_policy=cfg.priority_policy,
             fast_forward=cfg.fast_forward,
         )
+        engine.reserve_ids(self._id_floor)
         rep = _Replica(rid, engine, phase, joined_s=now, ready_s=now)
+        self._pools[rid] = engine.pool
         self.replicas.append(rep)
         self._by_id[rid] = rep
         return rep
@@ -145,15 +158,19 @@ class FleetSim:
         self,
         trace: Trace,
         *,
-        block_hashes: Sequence[Sequence[int]] | None = None,
+        block_ids: Sequence[Ids] | None = None,
+        id_floor: int = 0,
         progress: Callable[[int], None] | None = None,
     ) -> FleetResult:
         wall0 = time.perf_counter()
         cfg = self.config
         bs = cfg.profile.resolved_block_size
         reqs = trace.requests
-        if block_hashes is None:
-            block_hashes = [r.engine_block_hashes(bs) for r in reqs]
+        if block_ids is None:
+            block_ids, id_floor = dense_block_ids(trace, bs)
+        self._id_floor = max(self._id_floor, id_floor)
+        for rep in self.replicas:
+            rep.engine.reserve_ids(self._id_floor)
         t0 = reqs[0].arrival_s if reqs else 0.0
         for i, r in enumerate(reqs):
             self._push(r.arrival_s - t0, ARRIVAL, i)
@@ -171,7 +188,7 @@ class FleetSim:
                     self._on_step_end(rep, t)
             elif kind == ARRIVAL:
                 i = int(a)  # type: ignore[call-overload]
-                self._on_arrival(i, reqs[i], block_hashes[i], t)
+                self._on_arrival(i, reqs[i], block_ids[i], t)
                 arrivals_left -= 1
                 done += 1
                 if progress is not None and done % 256 == 0:
@@ -221,7 +238,7 @@ class FleetSim:
                 continue
             eng = rep.engine
             metrics = (
-                EngineMetrics(eng.num_running, eng.num_waiting, eng.pool.usage, now)
+                EngineMetrics(eng.num_running, eng.num_waiting, eng.kv_usage(now), now)
                 if live
                 else rep.metrics
             )
@@ -240,21 +257,22 @@ class FleetSim:
             )
         return FleetSnapshot(tuple(states), now)
 
-    def _on_arrival(self, i: int, tr: object, hashes: Sequence[int], now: float) -> None:
+    def _on_arrival(self, i: int, tr: object, ids: Ids, now: float) -> None:
         from controlplane.traces.model import TraceRequest
 
         assert isinstance(tr, TraceRequest)
         cfg = self.config
         router = self.routers[i % len(self.routers)]
         rid = tr.request_id or f"req-{i}"
-        self._sync_all(now)
+        if not self._direct:
+            self._sync_all(now)  # the event-fed index needs every event published by now
         predicted = router.predictor.predict(
             tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
         )
         rreq = RoutingRequest(
             request_id=rid,
             prompt_tokens=tr.prompt_tokens,
-            block_hashes=tuple(hashes),
+            block_hashes=tuple(ids.tolist()),
             tenant=tr.tenant,
             priority=tr.priority,
             max_tokens=tr.max_tokens,
@@ -295,14 +313,14 @@ class FleetSim:
         router.ledger.reserve(
             rid, rep.rid, tr.prompt_tokens, tr.prompt_tokens - hit_tokens, predicted, now
         )
-        if cfg.speculative and hashes:
+        if cfg.speculative and len(ids):
             self.index.speculate(rep.rid, rreq.block_hashes, cfg.speculative_ttl_s)
         ereq = EngineRequest(
             rid,
             i,
             tr.prompt_tokens,
             max(1, tr.output_tokens),
-            hashes,
+            ids,
             now,
             priority=priority_value(tr.priority),
             tag=record,
@@ -389,6 +407,13 @@ class FleetSim:
                 index.clear(rid)
             self.kv_events_applied += 1
 
+    def _sync_for_lookup(self, replica_id: str, first_hash: int) -> None:
+        eng = self._by_id[replica_id].engine
+        if eng.in_run and (
+            eng.pool.cached_block(first_hash) is not None or eng.run_caches_shared
+        ):
+            eng.sync(self.now)
+
     def _sync_all(self, now: float) -> None:
         """Routers are about to observe the fleet: bring fast-forwarded runs up to `now`."""
         for rep in self.replicas:
@@ -397,10 +422,9 @@ class FleetSim:
                 self._publish(rep, now)
 
     def _scrape(self, now: float) -> None:
-        self._sync_all(now)
         for rep in self.replicas:
             eng = rep.engine
-            rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.pool.usage, now)
+            rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.kv_usage(now), now)
             for router in self.routers:
                 router.ledger.scraped(rep.rid, now)
 
@@ -427,6 +451,7 @@ class FleetSim:
         rep.phase = Phase.DEAD
         rep.left_s = now
         self.index.clear(rep.rid)
+        self._pools.pop(rep.rid, None)
 
     def _kill(self, rep: _Replica, now: float) -> None:
         eng = rep.engine

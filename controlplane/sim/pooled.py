@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
+
 from controlplane.roofline.profile import EngineProfile
 from controlplane.sim.block_pool import BlockPool
-from controlplane.sim.request import UNIQUE_TAG
+from controlplane.sim.ids import Ids, dense_block_ids
 from controlplane.traces.model import Trace
 
 
@@ -22,12 +24,19 @@ def pooled_hit_rate(
     trace: Trace,
     profile: EngineProfile,
     replicas: int,
-    block_hashes: Sequence[Sequence[int]] | None = None,
+    block_ids: Sequence[Ids] | None = None,
     *,
+    id_floor: int = 0,
     num_blocks: int | None = None,
 ) -> float:
-    """Prompt tokens served from cache / prompt tokens for one pool of `replicas` replicas' KV."""
+    """Prompt tokens served from cache / prompt tokens for one pool of `replicas` replicas' KV.
+
+    `block_ids` are the requests' dense block ids (controlplane.sim.ids) and `id_floor` the
+    first id none of them uses; both are computed when not given."""
     bs = profile.resolved_block_size
+    if block_ids is None:
+        block_ids, id_floor = dense_block_ids(trace, bs)
+    next_unique = id_floor
     blocks = num_blocks if num_blocks is not None else profile.num_gpu_blocks * replicas
     pool = BlockPool(blocks, bs)
     hit_tokens = prompt_tokens = 0
@@ -36,7 +45,7 @@ def pooled_hit_rate(
         n, m = req.prompt_tokens, max(1, req.output_tokens)
         if n + m > max_len:
             continue
-        known = block_hashes[uid] if block_hashes is not None else req.engine_block_hashes(bs)
+        known = block_ids[uid]
         total_blocks = -(-(n + m - 1) // bs)
         if total_blocks > blocks - 1:
             continue
@@ -44,12 +53,13 @@ def pooled_hit_rate(
         pool.touch(hits)
         new = pool.allocate(total_blocks - len(hits))
         full = (n + m - 1) // bs
-        hashes = [
-            known[j] if j < len(known) else UNIQUE_TAG | (uid << 24) | j
-            for j in range(len(hits), full)
-        ]
+        unique = max(0, full - len(known))
+        hashes = np.concatenate(
+            (known[len(hits) : full], np.arange(next_unique, next_unique + unique))
+        )
+        next_unique += unique
         pool.cache(new[: len(hashes)], hashes, None)
-        pool.free((hits + new)[::-1])
+        pool.free(np.concatenate((hits, new))[::-1])
         hit_tokens += len(hits) * bs
         prompt_tokens += n
     return hit_tokens / prompt_tokens if prompt_tokens else 0.0

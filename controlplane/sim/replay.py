@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from controlplane.sim.fleet import FleetConfig, FleetSim
+from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.pooled import pooled_hit_rate
 from controlplane.sim.results import FleetResult
 from controlplane.traces.model import Trace
@@ -106,19 +107,19 @@ def replay(
     wall0 = time.perf_counter()
     params = policy_params or {}
     bs = config.profile.resolved_block_size
-    hashes = [r.engine_block_hashes(bs) for r in trace.requests]
+    ids, floor = dense_block_ids(trace, bs)
     report = ReplayReport(trace.name, config, slo_ttft_s, slo_tpot_s)
     for name in policies:
         make_policy(name, **params.get(name, {}))  # fail fast on a bad name before any run
     if pooled:
         report.pooled_prefix_hit_rate = pooled_hit_rate(
-            trace, config.profile, config.replicas, hashes
+            trace, config.profile, config.replicas, ids, id_floor=floor
         )
     for name in policies:
         if on_policy_start is not None:
             on_policy_start(name)
         sim = FleetSim(config, functools.partial(make_policy, name, **params.get(name, {})))
-        report.results[name] = sim.run(trace, block_hashes=hashes, progress=progress)
+        report.results[name] = sim.run(trace, block_ids=ids, id_floor=floor, progress=progress)
     report.wall_s = time.perf_counter() - wall0
     return report
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from enum import IntEnum
 
+import numpy as np
+import numpy.typing as npt
+
 from controlplane.types import PriorityClass
 
-# Hashes of blocks whose content nobody else can have (generated text, unique prompts) are
-# `UNIQUE_TAG | uid << 24 | block index`: disjoint from trace ids, stable for a request.
-UNIQUE_TAG = 1 << 62
+Ids = npt.NDArray[np.int64]
+NO_BLOCKS: Ids = np.zeros(0, dtype=np.int64)
 
 
 class Status(IntEnum):
@@ -44,6 +46,7 @@ class EngineRequest:
         "tag",
         "token_ids",
         "uid",
+        "unique_base",
     )
 
     def __init__(
@@ -52,7 +55,7 @@ class EngineRequest:
         uid: int,
         prompt_tokens: int,
         max_output: int,
-        known_hashes: Sequence[int],
+        known_hashes: Sequence[int] | Ids,
         arrival_s: float,
         priority: int = 0,
         token_ids: list[int] | None = None,
@@ -62,8 +65,11 @@ class EngineRequest:
         self.uid = uid
         self.prompt_tokens = prompt_tokens
         self.max_output = max(1, max_output)
-        # hashes of the blocks whose content the trace knows (usually the prompt's full blocks)
-        self.known_hashes = known_hashes
+        # hash ids of the blocks whose content the trace knows (usually the prompt's full blocks)
+        self.known_hashes: Ids = np.asarray(known_hashes, dtype=np.int64)
+        # hash ids of blocks nobody else can have (generated text, unknown prompt content) are
+        # unique_base + (block index - len(known_hashes)); the engine assigns the base
+        self.unique_base = -1
         self.arrival_s = arrival_s
         # vLLM priority: lower value is served first
         self.priority = priority
@@ -73,7 +79,7 @@ class EngineRequest:
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_output = 0
-        self.blocks: list[int] = []
+        self.blocks: Ids = NO_BLOCKS
         self.num_cached_blocks = 0
         self.preemptions = 0
         # prompt tokens served from the prefix cache at first admission (usage.cached_tokens)
@@ -94,19 +100,22 @@ class EngineRequest:
         return self.max_output - self.num_output
 
     def block_hash(self, index: int) -> int:
-        """Chained hash of block `index`; blocks beyond the known content are unique."""
-        if index < len(self.known_hashes):
-            return self.known_hashes[index]
-        return UNIQUE_TAG | (self.uid << 24) | index
+        """Chained hash id of block `index`; blocks beyond the known content are unique."""
+        known = len(self.known_hashes)
+        if index < known:
+            return int(self.known_hashes[index])
+        return self.unique_base + index - known
 
-    def block_hashes(self, start: int, stop: int) -> list[int]:
+    def block_hashes(self, start: int, stop: int) -> Ids:
         known = self.known_hashes
         if stop <= len(known):
-            return list(known[start:stop])
-        return [self.block_hash(i) for i in range(start, stop)]
+            return known[start:stop]
+        base = self.unique_base - len(known)
+        tail = np.arange(max(start, len(known)) + base, stop + base, dtype=np.int64)
+        return tail if start >= len(known) else np.concatenate((known[start:], tail))
 
-    def lookup_hashes(self, block_size: int) -> Sequence[int]:
-        """Hashes of every full block of the current token sequence (prompt + output)."""
+    def lookup_hashes(self, block_size: int) -> Ids:
+        """Hash ids of every full block of the current token sequence (prompt + output)."""
         full = self.num_tokens // block_size
         if full <= len(self.known_hashes):
             return self.known_hashes

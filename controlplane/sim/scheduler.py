@@ -25,8 +25,10 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-from controlplane.sim.block_pool import BlockPool
-from controlplane.sim.request import EngineRequest, Status
+import numpy as np
+
+from controlplane.sim.block_pool import BlockPool, Blocks
+from controlplane.sim.request import NO_BLOCKS, EngineRequest, Status
 
 
 class WaitingQueue:
@@ -132,23 +134,26 @@ class Scheduler:
 
     # -- KV cache manager ----------------------------------------------------------------------
     def _allocate_slots(
-        self, req: EngineRequest, num_new: int, hit_blocks: list[int] | None = None
+        self, req: EngineRequest, num_new: int, hit_blocks: Blocks | None = None
     ) -> bool:
         pool, bs = self.pool, self.block_size
-        num_hit = len(hit_blocks) if hit_blocks else 0
+        if hit_blocks is None:
+            hit_blocks = NO_BLOCKS
+        num_hit = len(hit_blocks)
         computed = req.num_computed + num_hit * bs
         need_tokens = min(computed + num_new, self.max_model_len)
         required = -(-need_tokens // bs)
         new_blocks = required - num_hit - len(req.blocks)
-        evictable = pool.evictable_among(hit_blocks) if hit_blocks else 0
+        evictable = pool.evictable_among(hit_blocks) if num_hit else 0
         if new_blocks + evictable > pool.num_free:
             return False
-        if hit_blocks:
+        if num_hit:
             pool.touch(hit_blocks)
-            req.blocks.extend(hit_blocks)
+            req.blocks = np.concatenate((req.blocks, hit_blocks))
             req.num_cached_blocks = len(req.blocks)
         if new_blocks > 0:
-            req.blocks.extend(pool.allocate(new_blocks))
+            fresh = pool.allocate(new_blocks)
+            req.blocks = fresh if not len(req.blocks) else np.concatenate((req.blocks, fresh))
         if pool.enable_caching:
             full = min(computed + num_new, req.num_tokens) // bs
             start = req.num_cached_blocks
@@ -160,7 +165,7 @@ class Scheduler:
 
     def free(self, req: EngineRequest) -> None:
         self.pool.free(req.blocks[::-1])
-        req.blocks = []
+        req.blocks = NO_BLOCKS
         req.num_cached_blocks = 0
 
     def _preempt(self, req: EngineRequest) -> None:

@@ -1,0 +1,44 @@
+"""Dense block ids for a replay: the trace's chained block hashes, relabeled as small integers.
+
+The simulator only ever compares block hashes for equality, and chaining is a property of the
+content they stand for, so any injective relabeling replays identically. Small dense ids let the
+block pool index plain arrays. Traces whose ids are already small (Mooncake's `id * (512 / B) + k`
+is at most a few million) keep them; others (generators namespace their ids in the high bits)
+are relabeled with one `numpy.unique` over every block of the trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from controlplane.traces.model import Trace
+
+Ids = npt.NDArray[np.int64]
+DIRECT_LIMIT = 1 << 26
+
+
+def dense_block_ids(trace: Trace, block_size: int) -> tuple[list[Ids], int]:
+    """Per request, the dense ids of its described blocks; and the first id nobody uses."""
+    raw: Sequence[list[int]] = [r.engine_block_hashes(block_size) for r in trace.requests]
+    return dense_from_hashes(raw)
+
+
+def dense_from_hashes(raw: Sequence[Sequence[int]]) -> tuple[list[Ids], int]:
+    lengths = [len(h) for h in raw]
+    total = sum(lengths)
+    if not total:
+        return [np.zeros(0, dtype=np.int64) for _ in raw], 1
+    flat = np.fromiter((x for h in raw for x in h), dtype=np.uint64, count=total)
+    top = int(flat.max())
+    if top < DIRECT_LIMIT:
+        dense = flat.astype(np.int64)
+        floor = top + 1
+    else:
+        uniq, inverse = np.unique(flat, return_inverse=True)
+        dense = inverse.astype(np.int64)
+        floor = len(uniq)
+    bounds = np.cumsum([0, *lengths])
+    return [dense[bounds[i] : bounds[i + 1]] for i in range(len(raw))], floor
