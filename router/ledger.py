@@ -33,6 +33,8 @@ class _Totals:
     unscraped: int = 0
     scraped_s: float = float("-inf")
     last_sent_s: float = float("-inf")
+    # bumped on every change, so a router can reuse its view of an unchanged replica
+    version: int = 0
 
 
 class RouterLedger:
@@ -59,6 +61,7 @@ class RouterLedger:
         f = InFlight(replica_id, prompt_tokens, uncached_tokens, predicted_output, now_s)
         self._inflight[request_id] = f
         t = self._totals.setdefault(replica_id, _Totals())
+        t.version += 1
         t.requests += 1
         t.prefill_tokens += uncached_tokens
         t.pending_prompt_tokens += prompt_tokens
@@ -74,6 +77,7 @@ class RouterLedger:
             return
         f.decoding = True
         t = self._totals[f.replica_id]
+        t.version += 1
         t.prefill_tokens -= f.uncached_tokens
         t.pending_prompt_tokens -= f.prompt_tokens
         t.decoding += 1
@@ -84,6 +88,7 @@ class RouterLedger:
         if f is None:
             return None
         t = self._totals[f.replica_id]
+        t.version += 1
         t.requests -= 1
         t.decode_tokens -= f.predicted_output
         t.context_tokens -= f.prompt_tokens
@@ -99,12 +104,17 @@ class RouterLedger:
     def scraped(self, replica_id: str, now_s: float) -> None:
         """The replica's metrics were refreshed at `now_s`: everything sent before is visible."""
         t = self._totals.setdefault(replica_id, _Totals())
+        t.version += 1
         t.scraped_s = now_s
         if now_s >= t.last_sent_s:
             t.unscraped = 0
         else:  # a scrape taken before some reservations but reported after them
             later = [f for f in self._inflight.values() if f.sent_s > now_s]
             t.unscraped = sum(1 for f in later if f.replica_id == replica_id)
+
+    def version(self, replica_id: str) -> int:
+        t = self._totals.get(replica_id)
+        return t.version if t is not None else 0
 
     def view(self, replica_id: str) -> Ledger:
         t = self._totals.get(replica_id)

@@ -40,6 +40,16 @@ class LoadEstimate:
 
 
 def estimate(r: ReplicaState) -> LoadEstimate:
+    """The replica's load as this router sees it (memoized on the immutable state)."""
+    memo = r._memo
+    if isinstance(memo, LoadEstimate):
+        return memo
+    est = _estimate(r)
+    object.__setattr__(r, "_memo", est)
+    return est
+
+
+def _estimate(r: ReplicaState) -> LoadEstimate:
     m, led = r.metrics, r.ledger
     own_visible = led.requests - led.unscraped_requests
     others = max(0, m.running + m.waiting - own_visible)

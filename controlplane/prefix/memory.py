@@ -100,7 +100,11 @@ class InMemoryPrefixIndex:
             return out
         now = self._clock()
         first = hashes[0]
+        speculative = self._speculative
         for rid in candidates:
+            by_first_spec = speculative.get(rid)
+            if not self._holds(rid, first) and not (by_first_spec and first in by_first_spec):
+                continue  # neither kind holds the first block: no match
             confirmed = self._walk(rid, hashes, 0)
             spec = 0
             by_first = self._speculative.get(rid)
@@ -121,6 +125,10 @@ class InMemoryPrefixIndex:
             if matched:
                 out[rid] = PrefixMatch(rid, matched, confirmed)
         return out
+
+    def _holds(self, replica_id: str, h: int) -> bool:
+        held = self._confirmed.get(replica_id)
+        return held is not None and h in held
 
     def _walk(self, replica_id: str, hashes: Sequence[int], start: int) -> int:
         """Leading blocks of `hashes[start:]` confirmed on the replica (first miss ends it)."""

@@ -23,7 +23,7 @@ heads, vLLM replicates heads so each GPU still holds one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from controlplane.errors import ConfigError
 from controlplane.roofline.specs import GIB, GpuSpec, ModelSpec, gpu, model
@@ -59,6 +59,9 @@ class EngineProfile:
     max_model_len: int = 0  # 0: the model's own maximum context
     enable_prefix_caching: bool = True
     step_overhead_s: float = -1.0  # < 0: calibrated or the GPU's default
+    # derived once in __post_init__ (routing reads them per request and replica)
+    _kv_tokens: int = field(init=False, repr=False, compare=False, default=0)
+    _blocks: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -68,6 +71,12 @@ class EngineProfile:
             raise ConfigError(f"TP {self.tp} does not divide {m.kv_heads} KV heads of {m.name}")
         if self.resolved_block_size <= 0:
             raise ConfigError("block_size must be positive")
+        object.__setattr__(self, "_kv_tokens", self._compute_kv_capacity_tokens())
+        object.__setattr__(
+            self,
+            "_blocks",
+            self.num_gpu_blocks_override or self._kv_tokens // self.resolved_block_size,
+        )
         if self.gpu_key == "cpu" and self.resolved_block_size % 32:
             raise ConfigError("vLLM's CPU backend needs a block size that is a multiple of 32")
         if self.num_gpu_blocks < 2:
@@ -132,6 +141,9 @@ class EngineProfile:
 
     @property
     def kv_capacity_tokens(self) -> int:
+        return self._kv_tokens
+
+    def _compute_kv_capacity_tokens(self) -> int:
         if self.num_gpu_blocks_override:
             return self.num_gpu_blocks_override * self.resolved_block_size
         if self.kv_cache_bytes or self.gpu_key == "cpu":
@@ -146,9 +158,7 @@ class EngineProfile:
 
     @property
     def num_gpu_blocks(self) -> int:
-        if self.num_gpu_blocks_override:
-            return self.num_gpu_blocks_override
-        return self.kv_capacity_tokens // self.resolved_block_size
+        return self._blocks
 
     def with_overrides(self, **changes: object) -> EngineProfile:
         return replace(self, **changes)  # type: ignore[arg-type]

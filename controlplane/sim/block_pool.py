@@ -93,8 +93,10 @@ class BlockPool:
         self._head = 0
         self._tail = 0
         self._nfree = 0
-        # hash id -> earliest block holding it (-1: not cached); later duplicates by insertion
-        self._cached = np.full(1 << 16, -1, dtype=np.int64)
+        # hash id -> earliest block holding it (0: not cached; block 0 is the null block, never
+        # cached, so zero-filled memory, which numpy gets lazily from the OS, means "empty");
+        # later duplicates by insertion order
+        self._cached = np.zeros(1 << 16, dtype=np.int64)
         self._dups: dict[int, list[int]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -110,7 +112,7 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return int(np.count_nonzero(self._cached >= 0)) + sum(len(v) for v in self._dups.values())
+        return int(np.count_nonzero(self._cached)) + sum(len(v) for v in self._dups.values())
 
     def ref_count(self, block: int) -> int:
         return int(self._ref[block]) if block < self._fresh_next else 0
@@ -125,7 +127,7 @@ class BlockPool:
         if h >= len(self._cached):
             return None
         b = int(self._cached[h])
-        return None if b < 0 else b
+        return b or None
 
     def is_free(self, block: int) -> bool:
         return block >= self._fresh_next or self._qpos[block] >= 0
@@ -143,14 +145,14 @@ class BlockPool:
             return _EMPTY
         cached = self._cached
         first = int(hashes[0])
-        if first >= len(cached) or cached[first] < 0:
+        if first >= len(cached) or not cached[first]:
             return _EMPTY
         ids = as_ids(hashes)[:n]
         inside = ids < len(cached)
         if not inside.all():
             ids = ids[: int(np.argmin(inside))]
         found = cached[ids]
-        miss = np.flatnonzero(found < 0)
+        miss = np.flatnonzero(found == 0)
         return found[: miss[0]] if len(miss) else found
 
     def evictable_among(self, blocks: IdsLike) -> int:
@@ -219,16 +221,20 @@ class BlockPool:
         ids = as_ids(hashes)
         if len(ids) != len(blocks):
             raise ValueError("cache: one hash per block")
-        self._grow_ids(int(ids.max()) + 1)
+        if int(ids.min()) < 0:
+            raise ValueError("hash ids are non-negative")
+        top = int(ids.max())
+        if top >= len(self._cached):
+            self._grow_ids(top + 1)
         cached = self._cached
         self._hash[blocks] = ids
         current = cached[ids]
-        distinct = bool((np.diff(ids) > 0).all()) or len(np.unique(ids)) == len(ids)
-        if distinct and (current < 0).all():
+        distinct = bool((ids[1:] > ids[:-1]).all()) or len(np.unique(ids)) == len(ids)
+        if distinct and not current.any():
             cached[ids] = blocks
         else:
             for b, h in zip(blocks.tolist(), ids.tolist(), strict=True):
-                if cached[h] < 0:
+                if not cached[h]:
                     cached[h] = b
                 else:
                     self._dups.setdefault(h, []).append(b)
@@ -258,7 +264,7 @@ class BlockPool:
         if self.num_free != self.num_blocks - 1:
             return False
         self._hash[:] = -1
-        self._cached[:] = -1
+        self._cached[:] = 0
         self._dups.clear()
         if self.events_enabled:
             self.events.append(AllBlocksCleared())
@@ -292,10 +298,10 @@ class BlockPool:
                 h = int(hashes[b])
                 if h >= 0:
                     hashes[b] = -1
-                    if self._dups:
+                    if h in self._dups:
                         self._drop_copy(b, h)
                     else:
-                        self._cached[h] = -1
+                        self._cached[h] = 0
                     evicted.append(h)
                 ref[b] = 1
                 out.append(b)
@@ -314,11 +320,13 @@ class BlockPool:
     def _cache_small(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
         if min(hashes) < 0:
             raise ValueError("hash ids are non-negative")
-        self._grow_ids(max(hashes) + 1)
+        top = max(hashes)
+        if top >= len(self._cached):
+            self._grow_ids(top + 1)
         cached, block_hash = self._cached, self._hash
         for b, h in zip(blocks, hashes, strict=True):
             block_hash[b] = h
-            if cached[h] < 0:
+            if not cached[h]:
                 cached[h] = b
             else:
                 self._dups.setdefault(h, []).append(b)
@@ -332,7 +340,7 @@ class BlockPool:
         parts: list[Blocks] = []
         need = n
         while need:
-            window = min(self._tail - head, 2 * need + 64)
+            window = min(self._tail - head, need + (need >> 3) + 16)
             cand = ring[head : head + window]
             live = np.flatnonzero(qpos[cand] == np.arange(head, head + window))
             if len(live) >= need:
@@ -350,11 +358,20 @@ class BlockPool:
 
     def _evict(self, blocks: Blocks, hashes: Blocks) -> None:
         """Drop the cache entries of evicted `blocks` that held `hashes`."""
-        if not self._dups:
-            self._cached[hashes] = -1
+        dups = self._dups
+        if dups:
+            listed = hashes.tolist()
+            special = [i for i, h in enumerate(listed) if h in dups]
+            if special:
+                for i in special:
+                    self._drop_copy(int(blocks[i]), listed[i])
+                keep = np.ones(len(listed), dtype=bool)
+                keep[special] = False
+                self._cached[hashes[keep]] = 0
+            else:
+                self._cached[hashes] = 0
         else:
-            for b, h in zip(blocks.tolist(), hashes.tolist(), strict=True):
-                self._drop_copy(b, h)
+            self._cached[hashes] = 0
         if self.events_enabled:
             removed = hashes.tolist()
             last = self.events[-1] if self.events else None
@@ -373,7 +390,7 @@ class BlockPool:
                 if not later:
                     del dups[h]
             else:
-                cached[h] = -1
+                cached[h] = 0
         else:
             later = dups[h]
             later.remove(block)
@@ -395,7 +412,9 @@ class BlockPool:
         cur = len(self._cached)
         if size > cur:
             extra = max(size, cur + cur // 2) - cur
-            self._cached = np.concatenate((self._cached, np.full(extra, -1, dtype=np.int64)))
+            grown = np.zeros(cur + extra, dtype=np.int64)  # zero pages stay lazy until touched
+            grown[:cur] = self._cached
+            self._cached = grown
 
     def _reserve_ring(self, k: int) -> None:
         if self._tail + k <= len(self._ring):

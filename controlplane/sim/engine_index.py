@@ -36,6 +36,13 @@ class EngineBackedIndex(InMemoryPrefixIndex):
         self._pools = pools
         self._before_walk = before_walk
 
+    def _holds(self, replica_id: str, h: int) -> bool:
+        pool = self._pools.get(replica_id)
+        if pool is None:
+            return False
+        self._before_walk(replica_id, h)  # a decode run may have filled this block by now
+        return pool.cached_block(h) is not None
+
     def _walk(self, replica_id: str, hashes: Sequence[int], start: int) -> int:
         pool = self._pools.get(replica_id)
         if pool is None or not hashes:

@@ -90,6 +90,8 @@ class _Router:
     policy: RoutingPolicy
     ledger: RouterLedger
     predictor: OutputLengthPredictor
+    # replica id -> (what the view was built from, the view); reused while unchanged
+    views: dict[str, tuple[tuple[object, ...], ReplicaState]] = field(default_factory=dict)
 
 
 class FleetSim:
@@ -233,10 +235,17 @@ class FleetSim:
         live = self.config.scrape_interval_s <= 0
         use_ledger = self.config.reservations
         states = []
+        views = router.views
         for rep in self.replicas:
             if rep.phase is Phase.DEAD:
                 continue
             eng = rep.engine
+            version = router.ledger.version(rep.rid) if use_ledger else 0
+            key = (version, rep.metrics, rep.phase, rep.incarnation)
+            cached = views.get(rep.rid)
+            if cached is not None and cached[0] == key and not live:
+                states.append(cached[1])
+                continue
             metrics = (
                 EngineMetrics(eng.num_running, eng.num_waiting, eng.kv_usage(now), now)
                 if live
@@ -245,16 +254,16 @@ class FleetSim:
             ledger = router.ledger.view(rep.rid) if use_ledger else Ledger()
             if live and use_ledger and ledger.unscraped_requests:
                 ledger = _visible(ledger)
-            states.append(
-                ReplicaState(
-                    replica_id=rep.rid,
-                    profile=eng.profile,
-                    phase=rep.phase,
-                    incarnation=rep.incarnation,
-                    metrics=metrics,
-                    ledger=ledger,
-                )
+            state = ReplicaState(
+                replica_id=rep.rid,
+                profile=eng.profile,
+                phase=rep.phase,
+                incarnation=rep.incarnation,
+                metrics=metrics,
+                ledger=ledger,
             )
+            views[rep.rid] = (key, state)
+            states.append(state)
         return FleetSnapshot(tuple(states), now)
 
     def _on_arrival(self, i: int, tr: object, ids: Ids, now: float) -> None:
@@ -409,9 +418,7 @@ class FleetSim:
 
     def _sync_for_lookup(self, replica_id: str, first_hash: int) -> None:
         eng = self._by_id[replica_id].engine
-        if eng.in_run and (
-            eng.pool.cached_block(first_hash) is not None or eng.run_caches_shared
-        ):
+        if eng.in_run and (eng.pool.cached_block(first_hash) is not None or eng.run_caches_shared):
             eng.sync(self.now)
 
     def _sync_all(self, now: float) -> None:

@@ -18,12 +18,34 @@ from controlplane.traces.model import Trace
 
 Ids = npt.NDArray[np.int64]
 DIRECT_LIMIT = 1 << 26
+_NONE: Ids = np.zeros(0, dtype=np.int64)
+_SUB: Ids = np.arange(4096, dtype=np.int64)
 
 
 def dense_block_ids(trace: Trace, block_size: int) -> tuple[list[Ids], int]:
     """Per request, the dense ids of its described blocks; and the first id nobody uses."""
-    raw: Sequence[list[int]] = [r.engine_block_hashes(block_size) for r in trace.requests]
-    return dense_from_hashes(raw)
+    reqs = trace.requests
+    if not reqs:
+        return [], 1
+    top = 0
+    for r in reqs:
+        if r.content_ids:
+            if r.id_block_tokens % block_size:
+                return dense_from_hashes([r.engine_block_hashes(block_size) for r in reqs])
+            top = max(top, (max(r.content_ids) + 1) * (r.id_block_tokens // block_size))
+    if top >= DIRECT_LIMIT:
+        return dense_from_hashes([r.engine_block_hashes(block_size) for r in reqs])
+    out: list[Ids] = []
+    for r in reqs:
+        if not r.content_ids:
+            out.append(_NONE)
+            continue
+        per = r.id_block_tokens // block_size
+        full = min(r.described_tokens // block_size, len(r.content_ids) * per)
+        cids = np.asarray(r.content_ids[: -(-full // per)], dtype=np.int64)
+        sub = _SUB[:per] if per <= len(_SUB) else np.arange(per, dtype=np.int64)
+        out.append((cids[:, None] * per + sub).ravel()[:full])
+    return out, max(1, top)
 
 
 def dense_from_hashes(raw: Sequence[Sequence[int]]) -> tuple[list[Ids], int]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -15,9 +17,9 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from sim_builders import FlatEvent, PoolGuard, check_pool, flatten_events, make_pool
+from sim_builders import FlatEvent, PoolGuard, check_pool, flatten_events, make_pool, pool_state
 
-from controlplane.sim.block_pool import _COMPACT_AT, BlockPool
+from controlplane.sim.block_pool import MAX_ID, BlockPool
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
@@ -116,7 +118,8 @@ def test_null_block_and_initial_state(guard: PoolGuard) -> None:
     assert not pool.is_free(0)
     assert pool.free_queue() == []  # fresh blocks are kept as a range, not queued
     got = pool.allocate(5)
-    assert got == [1, 2, 3, 4, 5]
+    assert isinstance(got, np.ndarray) and got.dtype == np.int64
+    assert got.tolist() == [1, 2, 3, 4, 5]
     assert 0 not in got
     assert pool.num_free == 0
     with pytest.raises(RuntimeError):
@@ -166,14 +169,19 @@ def test_lookup_stops_at_first_miss(query: list[int], max_blocks: int, expected:
     pool.cache(blocks, [10, 11, 12], None)
     by_hash = dict(zip([10, 11, 12], blocks, strict=True))
     found = pool.longest_cached_prefix(query, max_blocks)
-    assert found == [by_hash[h] for h in query[:expected]]
+    assert isinstance(found, np.ndarray) and found.dtype == np.int64
+    assert found.tolist() == [by_hash[h] for h in query[:expected]]
+    # arrays are accepted as well as lists
+    assert pool.longest_cached_prefix(np.array(query, dtype=np.int64), max_blocks).tolist() == (
+        found.tolist()
+    )
 
 
 def test_lookup_disabled_without_caching() -> None:
     pool = BlockPool(8, 4, enable_caching=False, events_enabled=True)
     blocks = pool.allocate(2)
     pool.cache(blocks, [1, 2], None)
-    assert pool.longest_cached_prefix([1, 2], 2) == []
+    assert pool.longest_cached_prefix([1, 2], 2).tolist() == []
     assert pool.num_cached == 0
     assert pool.take_events() == []
 
@@ -211,11 +219,11 @@ def test_fresh_blocks_are_used_before_recycled_ones(guard: PoolGuard) -> None:
     pool.free(a[::-1])
     # blocks 4..7 have never been used: they come first even though 1..3 were freed earlier
     b = pool.allocate(4)
-    assert b == [4, 5, 6, 7]
+    assert b.tolist() == [4, 5, 6, 7]
     assert pool.num_cached == 3
     c = pool.allocate(1)
-    assert c == [3]  # a's tail block, freed first
-    assert pool.longest_cached_prefix([1, 2, 3], 3) == [1, 2]
+    assert c.tolist() == [3]  # a's tail block, freed first
+    assert pool.longest_cached_prefix([1, 2, 3], 3).tolist() == [1, 2]
     pool.free(c)
     pool.free(b[::-1])
 
@@ -230,7 +238,7 @@ def test_recycled_blocks_leave_in_free_order(guard: PoolGuard) -> None:
     pool.free(third[::-1])
     pool.free(first[::-1])
     assert pool.free_queue() == [4, 3, 6, 5, 2, 1]
-    assert pool.allocate(6) == [4, 3, 6, 5, 2, 1]
+    assert pool.allocate(6).tolist() == [4, 3, 6, 5, 2, 1]
     pool.free(list(range(6, 0, -1)))
 
 
@@ -242,10 +250,10 @@ def test_tail_blocks_of_a_request_are_evicted_first() -> None:
     pool.take_events()
     pool.allocate(1)
     # the prefix [10, 11, 12] is still whole: only the last block went
-    assert pool.longest_cached_prefix([10, 11, 12, 13], 4) == blocks[:3]
+    assert pool.longest_cached_prefix([10, 11, 12, 13], 4).tolist() == blocks[:3].tolist()
     assert flatten_events(pool.take_events()) == [("removed", (13,), None)]
     pool.allocate(2)
-    assert pool.longest_cached_prefix([10, 11, 12, 13], 4) == blocks[:1]
+    assert pool.longest_cached_prefix([10, 11, 12, 13], 4).tolist() == blocks[:1].tolist()
     assert flatten_events(pool.take_events()) == [
         ("removed", (12,), None),
         ("removed", (11,), None),
@@ -260,7 +268,7 @@ def test_touching_a_free_cached_block_takes_it_out_of_the_queue(guard: PoolGuard
     pool.free(blocks[::-1])
     assert pool.free_queue() == [4, 3, 2, 1]
     hit = pool.longest_cached_prefix([10, 11], 2)
-    assert hit == [1, 2]
+    assert hit.tolist() == [1, 2]
     assert pool.evictable_among(hit) == 2
     pool.touch(hit)
     assert pool.free_queue() == [4, 3]
@@ -271,7 +279,7 @@ def test_touching_a_free_cached_block_takes_it_out_of_the_queue(guard: PoolGuard
     pool.touch(hit[:1])
     assert pool.ref_count(hit[0]) == 2
     assert pool.num_free == 2
-    assert pool.allocate(2) == [4, 3]
+    assert pool.allocate(2).tolist() == [4, 3]
     assert pool.num_cached == 2  # the touched ones survived
     pool.free([4, 3])
     pool.free(hit[::-1])
@@ -296,7 +304,7 @@ def test_stored_and_removed_events_in_order() -> None:
     pool.free(a[::-1])
     # queue: [3, 2, 1]; allocating two evicts 12 then 11, merged into one BlockRemoved
     got = pool.allocate(2)
-    assert got == [3, 2]
+    assert got.tolist() == [3, 2]
     pool.cache(got, [20, 21], None)
     got2 = pool.allocate(1)
     events = pool.take_events()
@@ -330,9 +338,9 @@ def test_uncached_blocks_evict_silently() -> None:
     pool.cache(a[:1], [7], None)
     pool.free(a[::-1])
     pool.take_events()
-    assert pool.allocate(2) == [3, 2]  # neither carried a hash
+    assert pool.allocate(2).tolist() == [3, 2]  # neither carried a hash
     assert pool.take_events() == []
-    assert pool.allocate(1) == [1]
+    assert pool.allocate(1).tolist() == [1]
     assert pool.take_events() == [BlockRemoved([7])]
 
 
@@ -343,25 +351,26 @@ def test_uncached_blocks_evict_silently() -> None:
 def test_duplicate_hash_stays_findable_after_either_copy_goes(evict_first: str) -> None:
     """Two requests computed the same block: evicting either copy keeps the other findable."""
     pool = make_pool(3)
-    original = pool.allocate(1)
-    duplicate = pool.allocate(1)
+    original = pool.allocate(1).tolist()
+    duplicate = pool.allocate(1).tolist()
     pool.cache(original, [42], None)
     pool.cache(duplicate, [42], None)
     assert pool.num_cached == 2
-    assert pool.longest_cached_prefix([42], 1) == original  # the earliest inserted copy
+    # the earliest inserted copy
+    assert pool.longest_cached_prefix([42], 1).tolist() == original
     pool.take_events()
     first, second = (original, duplicate) if evict_first == "original" else (duplicate, original)
     pool.free(first)
     pool.free(second)
     assert pool.free_queue() == first + second
-    assert pool.allocate(1) == first
+    assert pool.allocate(1).tolist() == first
     assert pool.take_events() == [BlockRemoved([42])]  # one removal per evicted copy, as vLLM
-    assert pool.longest_cached_prefix([42], 1) == second
+    assert pool.longest_cached_prefix([42], 1).tolist() == second
     assert pool.num_cached == 1
     check_pool(pool, [first])
-    assert pool.allocate(1) == second
+    assert pool.allocate(1).tolist() == second
     assert pool.take_events() == [BlockRemoved([42])]
-    assert pool.longest_cached_prefix([42], 1) == []
+    assert pool.longest_cached_prefix([42], 1).tolist() == []
     assert pool.num_cached == 0
     check_pool(pool, [first, second])
 
@@ -372,13 +381,13 @@ def test_three_copies_promote_in_insertion_order() -> None:
     for b in blocks:
         pool.cache([b], [9], None)
     assert pool.num_cached == 4
-    assert pool.longest_cached_prefix([9], 1) == [1]
+    assert pool.longest_cached_prefix([9], 1).tolist() == [1]
     pool.free([2])
-    assert pool.allocate(1) == [2]  # evicts the second copy; the first is still the answer
-    assert pool.longest_cached_prefix([9], 1) == [1]
+    assert pool.allocate(1).tolist() == [2]  # evicts the second copy; the first still answers
+    assert pool.longest_cached_prefix([9], 1).tolist() == [1]
     pool.free([1])
-    assert pool.allocate(1) == [1]
-    assert pool.longest_cached_prefix([9], 1) == [3]
+    assert pool.allocate(1).tolist() == [1]
+    assert pool.longest_cached_prefix([9], 1).tolist() == [3]
     check_pool(pool, [[1], [2], [3], [4]])
 
 
@@ -387,7 +396,7 @@ def test_duplicates_within_one_cache_call() -> None:
     blocks = pool.allocate(3)
     pool.cache(blocks, [5, 5, 6], None)
     assert pool.num_cached == 3
-    assert pool.longest_cached_prefix([5, 6], 2) == [1, 3]
+    assert pool.longest_cached_prefix([5, 6], 2).tolist() == [1, 3]
     check_pool(pool, [blocks])
 
 
@@ -402,14 +411,14 @@ def test_reset_prefix_cache_only_when_nothing_is_in_use(guard: PoolGuard) -> Non
     pool.take_events()
     assert pool.reset_prefix_cache() is False
     assert pool.take_events() == []
-    assert pool.longest_cached_prefix([1, 2], 2) == a
+    assert pool.longest_cached_prefix([1, 2], 2).tolist() == a.tolist()
     pool.free(a[::-1])
     free_before = pool.free_queue()
     assert pool.reset_prefix_cache() is True
     assert pool.take_events() == [AllBlocksCleared()]
-    assert pool.longest_cached_prefix([1, 2], 2) == []
+    assert pool.longest_cached_prefix([1, 2], 2).tolist() == []
     assert pool.num_cached == 0
-    assert pool.block_hash(a[0]) is None
+    assert pool.block_hash(int(a[0])) is None
     assert pool.free_queue() == free_before
     assert pool.num_free == 4
     # evicting the cleared blocks emits nothing
@@ -429,17 +438,80 @@ def test_reset_ignores_cached_free_blocks() -> None:
     assert pool.reset_prefix_cache() is True
 
 
-# -- long churn: lazy deletion and queue compaction -------------------------------------------
+# -- hash ids ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 3, 12])  # the scalar path (<= 8 blocks) and the batch path
+def test_hash_ids_must_be_dense(n: int) -> None:
+    pool = make_pool(16)
+    blocks = pool.allocate(n)
+    with pytest.raises(ValueError):
+        pool.cache(blocks, [MAX_ID + i for i in range(n)], None)
+    with pytest.raises(ValueError):
+        pool.cache(blocks, list(range(n + 1)), None)  # one hash per block
+    assert pool.num_cached == 0
+    # ids grow the index on demand, well past its initial size
+    far = [1_000_000 + i for i in range(n)]
+    pool.cache(blocks, far, None)
+    assert pool.longest_cached_prefix(far, n).tolist() == blocks.tolist()
+    assert pool.longest_cached_prefix([MAX_ID - 1], 1).tolist() == []
+    assert pool.cached_block(MAX_ID - 1) is None
+    check_pool(pool, [blocks])
+
+
+def test_negative_hash_ids_are_rejected_on_the_scalar_path() -> None:
+    pool = make_pool(16)
+    blocks = pool.allocate(3)
+    with pytest.raises(ValueError):
+        pool.cache(blocks, [1, -2, 3], None)
+
+
+def test_negative_hash_ids_are_rejected_on_the_batch_path() -> None:
+    pool = make_pool(16)
+    blocks = pool.allocate(12)
+    with pytest.raises(ValueError):
+        pool.cache(blocks, [-1, *range(1, 12)], None)
+
+
+def test_array_and_list_arguments_are_equivalent() -> None:
+    states = []
+    for as_array in (False, True):
+        pool = make_pool(24)
+
+        def arg(xs: Iterable[int], as_array: bool = as_array) -> list[int] | npt.NDArray[np.int64]:
+            return _ids(list(xs), as_array)
+
+        a = pool.allocate(12).tolist()
+        b = pool.allocate(3).tolist()
+        pool.cache(arg(a), arg(range(100, 112)), None)
+        pool.cache(arg(b), arg([100, 101, 7]), None)  # two duplicates of a's first blocks
+        pool.free(arg(a[::-1]))
+        hit = pool.longest_cached_prefix(arg(range(100, 112)), 11)
+        assert hit.tolist() == a[:11]  # the earliest copies
+        assert pool.evictable_among(arg(hit.tolist())) == 11
+        pool.touch(arg(hit.tolist()))
+        pool.free(arg(b[::-1]))
+        pool.allocate(10)
+        states.append((pool_state(pool), pool.take_events()))
+    assert states[0] == states[1]
+
+
+# -- long churn: lazy deletion, ring compaction and growth ------------------------------------
 
 
 def test_queue_compaction_keeps_lru_order() -> None:
+    """Far more frees than the free-queue ring holds: `_reserve_ring` compacts it in place
+    (dropping stale entries left by allocations and touches), never losing LRU order."""
     n = 10
     pool = make_pool(n, events=False)
     model = ModelPool(n, 4)
-    rounds = _COMPACT_AT // (n - 1) + 50
+    ring_size = len(pool._ring)
+    rounds = 2 * ring_size // n + 50  # each round queues n entries: at least two compactions
+    compactions = 0
     hashes = 0
     for r in range(rounds):
-        got = pool.allocate(n - 1)
+        tail = pool._tail
+        got = pool.allocate(n - 1).tolist()
         assert got == model.allocate(n - 1)
         # cache a few, keep one referenced through a touch so the queue has holes
         pool.cache(got[:2], [hashes, hashes + 1], None)
@@ -448,20 +520,70 @@ def test_queue_compaction_keeps_lru_order() -> None:
         order = got[::-1] if r % 2 else got
         pool.free(order)
         model.free(order)
-        hit = pool.longest_cached_prefix([hashes - 2], 1)
+        hit = pool.longest_cached_prefix([hashes - 2], 1).tolist()
         assert hit == model.lookup([hashes - 2], 1)
         pool.touch(hit)
         model.touch(hit)
         pool.free(hit)
         model.free(hit)
-    assert pool._qh < _COMPACT_AT  # compaction happened
-    assert pool.free_queue() == list(model.queue)
+        compactions += pool._tail < tail
+        assert pool.free_queue() == list(model.queue)
+    assert compactions >= 2
+    assert len(pool._ring) == ring_size  # a handful of live entries never needs a bigger ring
     check_pool(pool)
+
+
+def test_ring_grows_for_many_frees() -> None:
+    """More recycled free blocks than the ring holds: it grows, keeping LRU order, through
+    holes (touched blocks) and evictions, against the reference model."""
+    pool = make_pool(2, events=True)
+    n = len(pool._ring) + 5_003  # more usable blocks than the initial ring has entries
+    pool = make_pool(n, events=True)
+    model = ModelPool(n, 4)
+    ring_size = len(pool._ring)
+    got = pool.allocate(n - 1).tolist()
+    assert got == model.allocate(n - 1)
+    # cache every block (distinct ids), in a few calls of different sizes
+    for lo, hi in ((0, 5), (5, 20_000), (20_000, n - 1)):
+        pool.cache(got[lo:hi], list(range(lo, hi)), lo - 1 if lo else None)
+        model.cache(got[lo:hi], list(range(lo, hi)), lo - 1 if lo else None)
+    # free in interleaved chunks of varied size (tail first within each "request")
+    chunks = [got[i : i + s] for i, s in zip(range(0, n - 1, 7_001), (7_001,) * 100, strict=False)]
+    for chunk in chunks[1::2] + chunks[::2]:
+        pool.free(chunk[::-1])
+        model.free(chunk[::-1])
+    assert len(pool._ring) > ring_size, "the ring did not grow"
+    assert pool.free_queue() == list(model.queue)
+    # touch blocks out of the middle of the queue (holes), evict some, free again
+    for start in (3, 30_000, 60_000):
+        hit = pool.longest_cached_prefix(list(range(start, start + 50)), 50).tolist()
+        assert hit == model.lookup(list(range(start, start + 50)), 50)
+        pool.touch(hit)
+        model.touch(hit)
+    evicted = pool.allocate(9_000).tolist()
+    assert evicted == model.allocate(9_000)
+    pool.free(evicted[::-1])
+    model.free(evicted[::-1])
+    for start in (3, 30_000, 60_000):
+        hit = model.lookup(list(range(start, start + 50)), 50)
+        pool.free(hit[::-1])
+        model.free(hit[::-1])
+    assert pool.free_queue() == list(model.queue)
+    assert flatten_events(pool.take_events()) == model.events
+    assert pool.allocate(n - 1).tolist() == model.allocate(n - 1)
+    check_pool(pool, [list(range(1, n))])
 
 
 # -- stateful property test against the model -------------------------------------------------
 
-HASHES = st.integers(min_value=0, max_value=7)
+# a small alphabet, so that lookups hit and duplicates happen; pools up to 24 blocks, so that
+# batches take the vectorised paths (more than 8 blocks) as well as the scalar ones
+ALPHABET = 16
+HASHES = st.integers(min_value=0, max_value=ALPHABET - 1)
+
+
+def _ids(blocks: list[int], as_array: bool) -> list[int] | npt.NDArray[np.int64]:
+    return np.array(blocks, dtype=np.int64) if as_array else blocks
 
 
 class PoolMachine(RuleBasedStateMachine):
@@ -470,7 +592,7 @@ class PoolMachine(RuleBasedStateMachine):
     pool: BlockPool
     model: ModelPool
 
-    @initialize(num_blocks=st.integers(min_value=2, max_value=12))
+    @initialize(num_blocks=st.integers(min_value=2, max_value=24))
     def setup(self, num_blocks: int) -> None:
         self.pool = BlockPool(num_blocks, 4, events_enabled=True)
         self.model = ModelPool(num_blocks, 4)
@@ -488,12 +610,14 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, data: st.DataObject) -> None:
         n = data.draw(st.integers(min_value=0, max_value=self.model.num_free))
         held = {b for blocks in self.owners.values() for b in blocks}
-        got = self.pool.allocate(n)
+        out = self.pool.allocate(n)
+        assert isinstance(out, np.ndarray) and out.dtype == np.int64
+        got = out.tolist()
         assert got == self.model.allocate(n)
         assert len(set(got)) == len(got)
         assert not held & set(got), "a referenced block was handed out again"
         if got:
-            self._new_owner(list(got), list(got))
+            self._new_owner(got, list(got))
 
     @precondition(lambda self: any(self.uncached.values()))
     @rule(data=st.data())
@@ -502,19 +626,26 @@ class PoolMachine(RuleBasedStateMachine):
         todo = self.uncached[owner]
         k = data.draw(st.integers(min_value=1, max_value=len(todo)))
         blocks, self.uncached[owner] = todo[:k], todo[k:]
-        hashes = data.draw(st.lists(HASHES, min_size=k, max_size=k))
+        distinct = k <= ALPHABET and data.draw(st.booleans())
+        hashes = data.draw(st.lists(HASHES, min_size=k, max_size=k, unique=distinct))
         parent = data.draw(st.none() | HASHES)
-        self.pool.cache(blocks, hashes, parent)
+        as_array = data.draw(st.booleans())
+        self.pool.cache(_ids(blocks, as_array), _ids(hashes, as_array), parent)
         self.model.cache(blocks, hashes, parent)
 
-    @rule(query=st.lists(HASHES, max_size=5), cap=st.integers(min_value=0, max_value=5))
-    def touch(self, query: list[int], cap: int) -> None:
-        hit = self.pool.longest_cached_prefix(query, cap)
-        assert hit == self.model.lookup(query, cap)
-        hit = list(dict.fromkeys(hit))  # a request never holds one block twice
+    @rule(
+        query=st.lists(HASHES, max_size=12),
+        cap=st.integers(min_value=0, max_value=12),
+        as_array=st.booleans(),
+    )
+    def touch(self, query: list[int], cap: int, as_array: bool) -> None:
+        found = self.pool.longest_cached_prefix(_ids(query, as_array), cap)
+        assert isinstance(found, np.ndarray) and found.dtype == np.int64
+        assert found.tolist() == self.model.lookup(query, cap)
+        hit = list(dict.fromkeys(found.tolist()))  # a request never holds one block twice
         evictable = sum(self.model.ref[b] == 0 for b in hit)
-        assert self.pool.evictable_among(hit) == evictable
-        self.pool.touch(hit)
+        assert self.pool.evictable_among(_ids(hit, as_array)) == evictable
+        self.pool.touch(_ids(hit, as_array))
         self.model.touch(hit)
         if hit:
             self._new_owner(hit, [])
@@ -525,7 +656,7 @@ class PoolMachine(RuleBasedStateMachine):
         owner = data.draw(st.sampled_from(sorted(self.owners)))
         blocks = self.owners.pop(owner)
         self.uncached.pop(owner)
-        self.pool.free(blocks[::-1])
+        self.pool.free(_ids(blocks[::-1], data.draw(st.booleans())))
         self.model.free(blocks[::-1])
 
     @rule()
@@ -542,8 +673,10 @@ class PoolMachine(RuleBasedStateMachine):
         for b in range(pool.num_blocks):
             assert pool.ref_count(b) == model.ref[b]
             assert pool.block_hash(b) == model.hash[b]
-        for h in range(8):
-            assert pool.longest_cached_prefix([h], 1) == model.lookup([h], 1)
+        for h in range(ALPHABET + 1):
+            assert pool.longest_cached_prefix([h], 1).tolist() == model.lookup([h], 1)
+            copies = model.index.get(h)
+            assert pool.cached_block(h) == (copies[0] if copies else None)
         assert pool.num_cached == sum(len(v) for v in model.index.values())
         assert flatten_events(pool.take_events()) == model.events
         model.events = []

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 from sim_builders import PoolGuard, check_scheduler
 
 from controlplane.roofline.profile import profile
+from controlplane.sim.engine_index import EngineBackedIndex
 from controlplane.sim.fleet import FleetConfig, FleetSim
+from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.results import FleetResult
 from controlplane.traces import infinite_cache_ceiling, load_trace, multi_turn, shared_prefix
 from controlplane.traces.model import Trace
@@ -35,6 +38,7 @@ def run_fleet(
     fast_forward: bool = True,
     scrape_interval_s: float = 0.5,
     max_model_len: int = 0,
+    kv_event_delay_s: float = 0.0,
 ) -> tuple[FleetSim, FleetResult]:
     prof = profile(
         "h100",
@@ -49,6 +53,7 @@ def run_fleet(
         routers=routers,
         fast_forward=fast_forward,
         scrape_interval_s=scrape_interval_s,
+        kv_event_delay_s=kv_event_delay_s,
     )
     sim = FleetSim(cfg, functools.partial(make_policy, policy))
     return sim, sim.run(trace)
@@ -75,6 +80,7 @@ def assert_clean(sim: FleetSim, result: FleetResult, trace: Trace) -> None:
     assert sum(s.tokens_out for s in result.replicas) == tokens
 
 
+@pytest.mark.parametrize("kv_event_delay_s", [0.0, 0.01])
 @pytest.mark.parametrize(
     ("policy", "routers", "num_blocks", "scrape"),
     [
@@ -85,15 +91,38 @@ def assert_clean(sim: FleetSim, result: FleetResult, trace: Trace) -> None:
     ],
 )
 def test_two_replicas_finish_every_request_once(
-    policy: str, routers: int, num_blocks: int, scrape: float
+    policy: str, routers: int, num_blocks: int, scrape: float, kv_event_delay_s: float
 ) -> None:
     trace = small_trace()
     sim, result = run_fleet(
-        trace, policy=policy, routers=routers, num_blocks=num_blocks, scrape_interval_s=scrape
+        trace,
+        policy=policy,
+        routers=routers,
+        num_blocks=num_blocks,
+        scrape_interval_s=scrape,
+        kv_event_delay_s=kv_event_delay_s,
     )
     assert_clean(sim, result, trace)
     assert {rec.replica for rec in result.records} == {"replica-0", "replica-1"}
-    assert result.kv_events_applied > 0
+    if kv_event_delay_s > 0:
+        # delayed events need the event-fed index, and it was fed
+        assert not isinstance(sim.index, EngineBackedIndex)
+        assert result.kv_events_applied > 0
+        assert sim.index.stored_total > 0
+    else:
+        # no delay: the index reads the engines' pools, no event is generated
+        assert isinstance(sim.index, EngineBackedIndex)
+        assert result.kv_events_applied == 0
+    # either way the index knows what the replicas cached (all events are in by now; a set fed
+    # by events forgets a block once one of two copies is evicted, the pool still has the other)
+    block_ids, _ = dense_block_ids(trace, 16)
+    found = 0
+    for h in {int(ids[0]) for ids in block_ids}:
+        indexed = set(sim.index.lookup([h], ["replica-0", "replica-1"]))
+        held = {rep.rid for rep in sim.replicas if rep.engine.pool.cached_block(h) is not None}
+        assert indexed == held if kv_event_delay_s == 0 else indexed <= held, h
+        found += bool(indexed)
+    assert found
 
 
 def test_kv_pressure_case_preempts() -> None:
@@ -153,3 +182,50 @@ def test_fast_forward_does_not_change_index_driven_routing() -> None:
     ff = run_fleet(trace, num_blocks=300, fast_forward=True)[1]
     assert [r.replica for r in step.records] == [r.replica for r in ff.records]
     assert [r.cached_tokens for r in step.records] == [r.cached_tokens for r in ff.records]
+
+
+def _outcomes(result: FleetResult) -> list[tuple[object, ...]]:
+    return [
+        (r.request_id, r.replica, r.cached_tokens, r.preemptions, r.first_token_s, r.finish_s)
+        for r in result.records
+    ]
+
+
+@pytest.mark.parametrize("policy", ["prefix_affinity", "least_loaded"])
+def test_run_with_precomputed_or_relabeled_block_ids(policy: str) -> None:
+    """`run(block_ids=, id_floor=)` with `dense_block_ids` is the default run; any injective
+    relabeling of the ids (the simulator only compares them) replays identically."""
+    trace = session_trace()
+    _, default = run_fleet(trace, policy=policy, num_blocks=300)
+    block_ids, floor = dense_block_ids(trace, 16)
+    seen: list[int] = []
+    prof = profile("h100", "llama-3.1-8b", block_size=16, num_gpu_blocks_override=300)
+    cfg = FleetConfig(profile=prof, replicas=2)
+    sim = FleetSim(cfg, functools.partial(make_policy, policy))
+    given = sim.run(trace, block_ids=block_ids, id_floor=floor, progress=seen.append)
+    assert _outcomes(given) == _outcomes(default)
+    assert seen == sorted(seen) and seen[-1] == len(trace)
+    # a random permutation of [0, floor): same equalities, other values
+    perm = np.random.default_rng(0).permutation(floor).astype(np.int64)
+    relabeled = [perm[ids] for ids in block_ids]
+    assert any(
+        a.tolist() != b.tolist() for a, b in zip(block_ids, relabeled, strict=True) if len(a)
+    )
+    sim = FleetSim(cfg, functools.partial(make_policy, policy))
+    moved = sim.run(trace, block_ids=relabeled, id_floor=floor)
+    assert _outcomes(moved) == _outcomes(default)
+    assert sum(r.cached_tokens for r in default.records) > 0
+
+
+def test_preempted_readmissions_are_counted_apart() -> None:
+    """Replica prefix stats count first admissions only (vLLM's exported counters)."""
+    trace = session_trace()
+    sim, result = run_fleet(trace, policy="round_robin", num_blocks=300)
+    assert sum(s.preemptions for s in result.replicas) > 0
+    queries = sum(rep.engine.sched.prefix_queries for rep in sim.replicas)
+    assert queries == sum(r.prompt_tokens for r in trace.requests)
+    assert sum(s.prefix_queries for s in result.replicas) == queries
+    assert sum(rep.engine.sched.preempted_prefix_queries for rep in sim.replicas) > 0
+    assert sum(s.prefix_hits for s in result.replicas) == sum(
+        rec.cached_tokens for rec in result.records
+    )

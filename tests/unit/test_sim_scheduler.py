@@ -166,8 +166,8 @@ def test_same_step_admission_hits_blocks_cached_earlier_in_that_step(guard: Pool
     assert sched.prefix_hits == 16
     assert sched.prefix_queries == 36
     # b shares a's three blocks; only its last-token block is new
-    assert b.blocks[:3] == a.blocks[:3]
-    assert c.blocks[:1] == a.blocks[:1]
+    assert b.blocks[:3].tolist() == a.blocks[:3].tolist()
+    assert c.blocks[:1].tolist() == a.blocks[:1].tolist()
     stored = [e for e in flatten_events(sched.pool.take_events()) if e[0] == "stored"]
     hs = content_hashes(3, 3)
     assert stored == [("stored", tuple(hs), None), ("stored", (c.block_hash(1),), hs[0])]
@@ -222,7 +222,7 @@ def test_fcfs_preempts_the_last_running_request(guard: PoolGuard) -> None:
     batch, _ = step(sched)  # a needs a third block: b (last running) is preempted
     assert batch.preempted == [b]
     assert b.status is Status.PREEMPTED
-    assert b.num_computed == 0 and b.blocks == [] and b.preemptions == 1
+    assert b.num_computed == 0 and b.blocks.tolist() == [] and b.preemptions == 1
     assert sched.num_preemptions == 1
     assert list(sched.waiting) == [b, late]  # preempted goes back in front
     assert names(batch.scheduled) == [("r1", 1, 8)]
@@ -429,7 +429,7 @@ def test_step_invariants_on_random_workloads(
             admitted = [r for r, _, _ in batch.scheduled if id(r) in waiting_before]
             if batch.preempted:
                 assert not admitted, "admitted a waiting request in a step that preempted"
-                assert all(r.num_computed == 0 and not r.blocks for r in batch.preempted)
+                assert all(r.num_computed == 0 and not len(r.blocks) for r in batch.preempted)
             # running ones come first in the batch, in running order
             order = [r for r, _, _ in batch.scheduled if r in running_before]
             assert [r for r, _, _ in batch.scheduled][: len(order)] == order
