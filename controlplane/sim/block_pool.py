@@ -215,7 +215,7 @@ class BlockPool:
             small = [int(h) for h in hashes]
             if len(small) != len(blocks):
                 raise ValueError("cache: one hash per block")
-            self._cache_small([int(b) for b in blocks], small, parent)
+            self.cache_few([int(b) for b in blocks], small, parent)
             return
         blocks = as_ids(blocks)
         ids = as_ids(hashes)
@@ -317,7 +317,8 @@ class BlockPool:
                 self.events.append(BlockRemoved(evicted))
         return out
 
-    def _cache_small(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
+    def cache_few(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
+        """`cache` for a few blocks given as plain lists (the decode path)."""
         if min(hashes) < 0:
             raise ValueError("hash ids are non-negative")
         top = max(hashes)

@@ -405,9 +405,10 @@ class SimEngine:
             self._replay_exact(members, allocs, first, last)
             return
         pool = self.pool
-        if len(allocs) == 1:
-            req = members[allocs[0][1]][0]
-            req.blocks = np.append(req.blocks, pool.allocate(1))
+        if len(members) == 1 and allocs:
+            # one sequence: its allocations are simply in step order
+            req = members[0][0]
+            req.blocks = np.concatenate((req.blocks, pool.allocate(len(allocs))))
         elif allocs:
             allocs.sort()
             popped = pool.allocate(len(allocs))
@@ -452,5 +453,9 @@ class SimEngine:
         start = req.num_cached_blocks
         if full > start:
             parent = req.block_hash(start - 1) if start else None
-            self.pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
+            if full - start <= 8:
+                hashes = [req.block_hash(i) for i in range(start, full)]
+                self.pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
+            else:
+                self.pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
             req.num_cached_blocks = full
