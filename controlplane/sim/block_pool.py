@@ -76,6 +76,8 @@ class BlockPool:
     ) -> None:
         if num_blocks < 2:
             raise ValueError("a block pool needs at least 2 blocks (one is the null block)")
+        if num_blocks >= 1 << 31:
+            raise ValueError("block ids must fit in 31 bits")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -96,7 +98,7 @@ class BlockPool:
         # hash id -> earliest block holding it (0: not cached; block 0 is the null block, never
         # cached, so zero-filled memory, which numpy gets lazily from the OS, means "empty");
         # later duplicates by insertion order
-        self._cached = np.zeros(1 << 16, dtype=np.int64)
+        self._cached = np.zeros(1 << 16, dtype=np.int32)  # block ids fit in 31 bits
         self._dups: dict[int, list[int]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ class BlockPool:
         inside = ids < len(cached)
         if not inside.all():
             ids = ids[: int(np.argmin(inside))]
-        found = cached[ids]
+        found = cached[ids].astype(np.int64)
         miss = np.flatnonzero(found == 0)
         return found[: miss[0]] if len(miss) else found
 
@@ -413,7 +415,7 @@ class BlockPool:
         cur = len(self._cached)
         if size > cur:
             extra = max(size, cur + cur // 2) - cur
-            grown = np.zeros(cur + extra, dtype=np.int64)  # zero pages stay lazy until touched
+            grown = np.zeros(cur + extra, dtype=np.int32)  # zero pages stay lazy until touched
             grown[:cur] = self._cached
             self._cached = grown
 
