@@ -14,7 +14,7 @@ round_robin, prefix_affinity and predicted_finish:
   eviction notices delayed by 2 s (BlockRemoved reaches the index 2 s late)
   no speculative entries (the index learns only from KV events), with and without that delay
 
-Writes out/bench/routing_quality.json and out/bench/routing_ablation.png.
+Writes out/bench/routing_quality.json, out/bench/demo_load.png and out/bench/routing_ablation.png.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from common import console, out_dir, print_table, write_json
 
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig
+from controlplane.sim.plots import plot_replay
 from controlplane.sim.replay import replay
 from controlplane.traces import densest_window, load_trace, scale_rate
 
@@ -45,6 +46,7 @@ def demo_load() -> dict[str, object]:
     trace = scale_rate(load_trace("mooncake"), 3.0)
     config = FleetConfig(profile=profile("h100", "llama-3.1-8b"), replicas=8)
     report = replay(trace, config, ALL, slo_ttft_s=SLO_TTFT, slo_tpot_s=SLO_TPOT)
+    plot_replay(report, out_dir() / "demo_load.png")
     data = report.to_json()
     pols = data["policies"]
     assert isinstance(pols, dict)

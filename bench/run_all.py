@@ -34,6 +34,8 @@ def main() -> None:
             failed.append(bench)
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
+    if not args.only:
+        subprocess.check_call([sys.executable, str(here / "report.py"), args.out], cwd=here.parent)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ requests); a set forgets the hash when the first copy is evicted.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from itertools import islice, takewhile
 
@@ -52,6 +53,9 @@ class InMemoryPrefixIndex:
         self._confirmed: dict[str, set[int]] = {}
         # replica -> first hash -> [(expires_at, chain)]
         self._speculative: dict[str, dict[int, list[tuple[float, Sequence[int]]]]] = {}
+        # (expires_at, replica, first hash) per speculation, to prune expired chains in time
+        # order so memory stays bounded by one TTL of traffic
+        self._expiry: list[tuple[float, str, int]] = []
         self.stored_total = 0
         self.removed_total = 0
 
@@ -74,10 +78,30 @@ class InMemoryPrefixIndex:
         if not hashes or ttl_s <= 0:
             return
         now = self._clock()
+        self._prune(now)
         by_first = self._speculative.setdefault(replica_id, {})
         entries = by_first.setdefault(hashes[0], [])
         entries[:] = [(exp, chain) for exp, chain in entries if exp > now]
         entries.append((now + ttl_s, hashes))
+        heapq.heappush(self._expiry, (now + ttl_s, replica_id, hashes[0]))
+
+    def _prune(self, now: float) -> None:
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, rid, first = heapq.heappop(heap)
+            by_first = self._speculative.get(rid)
+            entries = by_first.get(first) if by_first else None
+            if entries is None or by_first is None:
+                continue
+            live = [(exp, chain) for exp, chain in entries if exp > now]
+            if live:
+                by_first[first] = live
+            else:
+                del by_first[first]
+
+    @property
+    def speculative_entries(self) -> int:
+        return sum(len(v) for by_first in self._speculative.values() for v in by_first.values())
 
     def retract(self, replica_id: str, hashes: Sequence[int], grace_s: float) -> None:
         if not hashes:

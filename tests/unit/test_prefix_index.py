@@ -249,3 +249,15 @@ def _brute_common(a: Sequence[int], b: Sequence[int]) -> int:
     while k < min(len(a), len(b)) and a[k] == b[k]:
         k += 1
     return k
+
+
+def test_expired_speculative_chains_are_dropped_without_lookups() -> None:
+    """Memory stays bounded by one TTL of traffic even for prefixes nobody asks for again."""
+    from controlplane.prefix.memory import InMemoryPrefixIndex
+
+    now = [0.0]
+    index = InMemoryPrefixIndex(clock=lambda: now[0])
+    for i in range(1000):
+        now[0] = float(i)
+        index.speculate("r0", tuple(range(i * 10, i * 10 + 10)), ttl_s=5.0)
+    assert index.speculative_entries <= 6

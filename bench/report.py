@@ -1,0 +1,211 @@
+"""Render the benchmark JSON under out/bench into the marked tables of docs/benchmarks.md.
+
+Every table in the doc between `<!-- BEGIN name -->` and `<!-- END name -->` is regenerated
+from the latest run, and the plots are copied to docs/img/, so the prose can be read against
+figures that came out of `make bench`, never typed in by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import shutil
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+IMG = ROOT / "docs" / "img"
+PLOTS = ("roofline_vidur.png", "routing_ablation.png", "demo_load.png")
+
+
+def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def cell(v: object) -> str:
+        return f"{v:,.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def roofline(data: Any) -> str:
+    rows = [
+        (
+            a["setting"],
+            a["quantity"],
+            a["unit"],
+            a["measured"],
+            a["model"],
+            f"{a['error']:+.1%}",
+            a["role"],
+        )
+        for a in data["anchors"]
+    ]
+    return md_table(["setting", "quantity", "unit", "published", "model", "error", "role"], rows)
+
+
+def exact_ceiling(data: Any) -> str:
+    rows = [
+        (
+            e["block_size"],
+            f"{e['ceiling_hit_tokens']:,}",
+            f"{e['simulated_hit_tokens']:,}",
+            f"{e['ceiling_hit_rate']:.2%}",
+            "yes" if e["exact"] else "**no**",
+        )
+        for e in data["exact_ceiling"]
+    ]
+    return md_table(
+        ["engine block", "ceiling hit tokens", "simulated hit tokens", "hit rate", "exact"], rows
+    )
+
+
+def orderings(data: Any) -> str:
+    rows = [
+        (
+            f"{int(cap):,}",
+            f"{v['one_replica']:.1%}",
+            f"{v['one_replica_8x']:.1%}",
+            f"{v['round_robin_8']:.1%}",
+            f"{v['affinity_8']:.1%}",
+        )
+        for cap, v in data["lru_orderings"].items()
+    ]
+    return md_table(
+        ["KV tokens per replica", "1 replica", "1 replica, 8x KV", "8 round-robin", "8 affinity"],
+        rows,
+    )
+
+
+def speed(data: Any) -> str:
+    rows = [
+        (h["policy"], h["block_size"], f"{h['cpu_s']:.2f}", f"{h['speedup']:,.0f}x")
+        for h in data["headline"]
+    ]
+    return md_table(["policy", "block size", "CPU s", "faster than real time"], rows)
+
+
+def scaling(data: Any) -> str:
+    rows = [
+        (
+            f"{r['replicas']} replicas",
+            f"{r['requests']:,}",
+            f"{r['trace_span_s']:,.0f}",
+            f"{r['cpu_s']:.2f}",
+            f"{r['speedup']:,.0f}x",
+        )
+        for r in data["by_replicas"]
+    ]
+    rows += [
+        (
+            f"{r['requests'] // data['by_length'][0]['requests']}x length",
+            f"{r['requests']:,}",
+            f"{r['trace_span_s']:,.0f}",
+            f"{r['cpu_s']:.2f}",
+            f"{r['speedup']:,.0f}x",
+        )
+        for r in data["by_length"]
+    ]
+    return md_table(["run", "requests", "trace span s", "CPU s", "faster than real time"], rows)
+
+
+def demo(data: Any) -> str:
+    rep = data["demo_load"]["replay"]
+    ceiling = rep["pooled_prefix_hit_rate"]
+    rows = []
+    for name, s in rep["policies"].items():
+        rows.append(
+            (
+                f"`{name}`",
+                f"{s['ttft_p50_s']:.2f} / {s['ttft_p90_s']:.2f} / {s['ttft_p99_s']:.3f}",
+                f"{s['tpot_p50_s'] * 1e3:.0f} / {s['tpot_p99_s'] * 1e3:.0f}",
+                f"{s['e2e_p50_s']:.1f} / {s['e2e_p99_s']:.1f}",
+                f"{s['prefix_hit_rate']:.1%}",
+                f"{s['prefix_hit_rate'] / ceiling:.0%}",
+                f"{s['goodput_rps']:.2f}",
+                f"{s['output_tokens_per_s']:.0f}",
+                f"{s['load_imbalance']:.2f}",
+                s["preemptions"],
+            )
+        )
+    table = md_table(
+        [
+            "policy",
+            "TTFT p50/p90/p99 s",
+            "TPOT p50/p99 ms",
+            "E2E p50/p99 s",
+            "prefix hit",
+            "of ceiling",
+            "goodput req/s",
+            "output tok/s",
+            "imbalance",
+            "preemptions",
+        ],
+        rows,
+    )
+    return table + f"\n\nPooled-cache ceiling: **{ceiling:.1%}**."
+
+
+def ablation(data: Any) -> str:
+    rows = []
+    for variant, rep in data["ablations"].items():
+        for name, s in rep["policies"].items():
+            reasons = ", ".join(
+                f"{k} {v}" for k, v in sorted(s["reasons"].items()) if k != "no_healthy_replica"
+            )
+            rows.append(
+                (
+                    variant,
+                    f"`{name}`",
+                    f"{s['ttft_p99_s']:.2f}",
+                    f"{s['prefix_hit_rate']:.1%}",
+                    f"{s['goodput_rps']:.2f}",
+                    reasons,
+                )
+            )
+    return md_table(
+        ["variant", "policy", "TTFT p99 s", "prefix hit", "goodput req/s", "decisions"], rows
+    )
+
+
+SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "roofline": ("roofline_fidelity.json", roofline),
+    "exact_ceiling": ("sim_fidelity.json", exact_ceiling),
+    "orderings": ("sim_fidelity.json", orderings),
+    "speed": ("sim_speed.json", speed),
+    "scaling": ("sim_speed.json", scaling),
+    "demo": ("routing_quality.json", demo),
+    "ablation": ("routing_quality.json", ablation),
+}
+
+
+def _fill(body: str, m: re.Match[str]) -> str:
+    return m.group(1) + body + "\n" + m.group(2)
+
+
+def main() -> None:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "out" / "bench"
+    text = DOC.read_text()
+    for name, (source, render) in SECTIONS.items():
+        path = out / source
+        if not path.exists():
+            print(f"skip {name}: {path} missing")
+            continue
+        body = render(json.loads(path.read_text()))
+        pattern = re.compile(rf"(<!-- BEGIN {name} -->\n)(?:.*?\n)?(<!-- END {name} -->)", re.S)
+        text, n = pattern.subn(functools.partial(_fill, body), text)
+        if not n:
+            print(f"warning: no {name} section in {DOC}")
+    DOC.write_text(text)
+    IMG.mkdir(parents=True, exist_ok=True)
+    for plot in PLOTS:
+        if (out / plot).exists():
+            shutil.copy(out / plot, IMG / plot)
+    print(f"updated {DOC}")
+
+
+if __name__ == "__main__":
+    main()
