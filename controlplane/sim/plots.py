@@ -57,7 +57,7 @@ def plot_replay(report: ReplayReport, path: Path) -> Path:
     ax.set_xlabel("replica")
     ax.set_ylabel("busy time (s)")
     ax.set_title("per-replica load")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="lower center", ncol=4, framealpha=0.9)
     cfg = report.config
     fig.suptitle(
         f"{report.trace_name}: {cfg.replicas} x {cfg.profile.label}, "
