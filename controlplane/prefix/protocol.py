@@ -41,3 +41,36 @@ class PrefixIndex(Protocol):
         """The chain has been computed (first token): let KV events speak for it after
         `grace_s`, so a speculative claim never outlives an eviction."""
         ...
+
+
+class AsyncPrefixIndex(Protocol):
+    """The same contract for a shared, remote index (Redis) used by many router processes.
+
+    Entries are tied to a replica *incarnation*: a restarted replica is a new incarnation, and
+    nothing recorded for an older one may match. `lookup` returns None when the index cannot
+    answer within its time budget ("unknown"); callers then route on load alone.
+    """
+
+    async def lookup(
+        self, hashes: Sequence[int], candidates: Sequence[tuple[str, int]]
+    ) -> dict[str, PrefixMatch] | None:
+        """Per (replica, incarnation) candidate, the leading blocks it holds; None = unknown."""
+        ...
+
+    async def record_stored(
+        self, replica_id: str, incarnation: int, hashes: Sequence[int]
+    ) -> None: ...
+
+    async def record_removed(
+        self, replica_id: str, incarnation: int, hashes: Sequence[int]
+    ) -> None: ...
+
+    async def clear(self, replica_id: str) -> None:
+        """Forget every entry of the replica (all incarnations)."""
+        ...
+
+    async def speculate(
+        self, replica_id: str, incarnation: int, hashes: Sequence[int], ttl_s: float
+    ) -> None: ...
+
+    async def aclose(self) -> None: ...
