@@ -20,9 +20,13 @@ err = Console(stderr=True)
 
 
 def _register() -> None:
-    from controlplane.cli import replay as _replay  # noqa: F401
-    from controlplane.cli import roofline as _roofline  # noqa: F401
-    from controlplane.cli import traces as _traces  # noqa: F401
+    """Import every command module in this package; each registers itself on `app`."""
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.iter_modules(__path__):
+        if mod.name != "common":
+            importlib.import_module(f"{__name__}.{mod.name}")
 
 
 def main() -> None:
