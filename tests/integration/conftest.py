@@ -1,0 +1,111 @@
+"""Fixtures for tests that need Redis: a private redis-server per test, and index factories.
+
+`redis_server` starts a throwaway server (free loopback port, no persistence, temp dir; never
+6379) and on teardown asserts the process is gone. `make_index` builds `RedisPrefixIndex`es
+against it and on teardown closes them and asserts that they left no asyncio task and no open
+connection behind. Tests using them carry the `redis` marker and are skipped when `redis-server`
+is not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis_server import RedisServer, available
+
+from controlplane.prefix.redis_index import RedisPrefixIndex
+
+INDEX_CLIENT_NAME = "cp-test-index"
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie still answers kill(0): ask the kernel for its state
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] in ("Z", "X")
+    return False
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisServer]:
+    """A private redis-server for one test; killed (and checked gone) afterwards."""
+    if not available():
+        pytest.skip("redis-server is not installed")
+    server = RedisServer()
+    server.start()
+    pids = {server.pid}
+    try:
+        yield server
+    finally:
+        pids.add(server.pid)
+        server.close()
+        for pid in pids - {None}:
+            assert pid is not None
+            assert _process_gone(pid), f"redis-server {pid} still running"
+
+
+@pytest.fixture
+def redis_admin(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A plain synchronous client to inspect the server (keys, TTLs, CLIENT LIST)."""
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=2)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def index_clients(admin: redis.Redis, name: str = INDEX_CLIENT_NAME) -> int:
+    """Connections the server sees from indexes named `name`."""
+    clients: list[dict[str, Any]] = admin.client_list()
+    return sum(1 for c in clients if c.get("name") == name)
+
+
+@pytest.fixture
+async def make_index(
+    redis_server: RedisServer,
+) -> AsyncIterator[Callable[..., RedisPrefixIndex]]:
+    """Factory of indexes on the private server; teardown closes them and checks for leaks."""
+    before = asyncio.all_tasks()
+    made: list[RedisPrefixIndex] = []
+
+    def factory(**kwargs: Any) -> RedisPrefixIndex:
+        kwargs.setdefault("client_name", INDEX_CLIENT_NAME)
+        kwargs.setdefault("key_prefix", "t:idx")
+        # semantic tests must not depend on machine load; fault tests pass the real budget
+        kwargs.setdefault("lookup_budget_s", 2.0)
+        kwargs.setdefault("write_timeout_s", 5.0)
+        kwargs.setdefault("socket_timeout_s", 5.0)
+        kwargs.setdefault("connect_timeout_s", 5.0)
+        url = kwargs.pop("url", redis_server.url)
+        index = RedisPrefixIndex(url, **kwargs)
+        made.append(index)
+        return index
+
+    yield factory
+
+    for index in made:
+        await index.aclose()
+    await asyncio.sleep(0)
+    leaked = {
+        t for t in asyncio.all_tasks() - before if t is not asyncio.current_task() and not t.done()
+    }
+    assert not leaked, f"leaked asyncio tasks: {leaked}"
+    if redis_server.running and not redis_server.paused:
+        admin = redis.Redis.from_url(redis_server.url, socket_timeout=2)
+        try:
+            deadline = time.monotonic() + 2.0
+            while index_clients(admin) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert index_clients(admin) == 0, "index connections left open"
+        finally:
+            admin.close()

@@ -1,0 +1,196 @@
+"""Simulated vLLM replicas (`python -m controlplane.replica`) as subprocesses, for tests.
+
+Each replica listens on a port the OS picks (`--port 0`; the URL comes from its ready line), runs
+in its own process group, and is waited for until `/health` answers 200. Teardown sends SIGTERM
+to the group, then SIGKILL after a grace period, and checks nothing of the group is left.
+
+    with SimReplica("--speed", "20", env={"PYTHONHASHSEED": "0"}) as replica:
+        httpx.get(f"{replica.url}/v1/models")
+        replica.set_faults(unavailable=True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+READY_PREFIX = "sim-replica ready at "
+ADMIN_TOKEN = "test-admin-token"
+
+
+def free_port() -> int:
+    """A loopback TCP port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class SimReplica:
+    """One simulated replica process."""
+
+    def __init__(
+        self,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        admin_token: str = ADMIN_TOKEN,
+        start_timeout_s: float = 20.0,
+    ) -> None:
+        self.args = args
+        self.env = dict(env or {})
+        self.admin_token = admin_token
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> SimReplica:
+        cmd = [
+            sys.executable,
+            "-m",
+            "controlplane.replica",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--admin-token",
+            self.admin_token,
+            *self.args,
+        ]
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=self._stderr, env=env, start_new_session=True
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        self.url = self._read_ready_line(deadline)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return self
+            time.sleep(0.02)
+        self.stop()
+        raise TimeoutError(f"sim replica not healthy in {self.start_timeout_s}s: {self.stderr}")
+
+    def _read_ready_line(self, deadline: float) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        out = self.proc.stdout
+        buf = b""
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([out], [], [], 0.05)
+            if ready:
+                chunk = os.read(out.fileno(), 4096)
+                if not chunk:
+                    break
+                buf += chunk
+                for line in buf.decode(errors="replace").splitlines():
+                    if line.startswith(READY_PREFIX):
+                        return line[len(READY_PREFIX) :].strip()
+            elif self.proc.poll() is not None:
+                break
+        self.stop()
+        raise RuntimeError(f"sim replica did not start: {buf!r} {self.stderr}")
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def stderr(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def wait_exit(self, timeout: float = 5.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM the process group, SIGKILL after `grace_s`; returns the exit status."""
+        proc = self.proc
+        if proc is None:
+            return None
+        pgid = proc.pid
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                proc.wait(grace_s)
+        # anything left in the group (there should be nothing) goes too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        self._stderr.close()
+        return proc.returncode
+
+    def __enter__(self) -> SimReplica:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def set_faults(self, **knobs: Any) -> dict[str, Any]:
+        """POST /_faults (`reset=True` clears every knob first)."""
+        resp = httpx.post(
+            f"{self.url}/_faults",
+            json=knobs,
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+            timeout=5.0,
+        )
+        resp.raise_for_status()
+        faults: dict[str, Any] = resp.json()["faults"]
+        return faults
+
+    def kv_endpoints(self) -> tuple[str, str | None]:
+        """(PUB endpoint, replay endpoint) to connect to, from GET /kv_event_sources."""
+        src = httpx.get(f"{self.url}/kv_event_sources", timeout=5.0).json()["0"]
+
+        def local(ep: str | None) -> str | None:
+            return None if ep is None else ep.replace("0.0.0.0", "127.0.0.1")
+
+        pub = local(src["endpoint"])
+        assert pub is not None
+        return pub, local(src["replay_endpoint"])
+
+
+def group_gone(pgid: int) -> bool:
+    """No process of the group `pgid` exists any more."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def sim_replica(*args: str, env: Mapping[str, str] | None = None) -> Iterator[SimReplica]:
+    """A started replica; on exit it is stopped and its process group is checked gone."""
+    replica = SimReplica(*args, env=env)
+    replica.start()
+    try:
+        yield replica
+    finally:
+        replica.stop()
+        assert group_gone(replica.pid), "the sim replica left processes behind"
