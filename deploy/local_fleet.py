@@ -448,29 +448,48 @@ class LocalFleet:
             raise FleetError("this fleet was already started")
         self._prepare()
         assert self.log_dir is not None
-        main_thread = threading.current_thread() is threading.main_thread()
         atexit.register(self.stop)
         self.started_at = time.monotonic()
         try:
             for rep in self.replicas:
-                with rep.log_path.open("wb") as logf:
-                    logf.write(f"$ {' '.join(rep.argv)}\n".encode())
-                    logf.flush()
-                    rep.proc = subprocess.Popen(
-                        rep.argv,
-                        env=rep.env,
-                        cwd=self.log_dir,
-                        stdin=subprocess.DEVNULL,
-                        stdout=logf,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        preexec_fn=_die_with_parent if main_thread else None,
-                    )
-                rep.started_at = time.monotonic()
-                self._log(f"{rep.name}: pid {rep.pid}, log {rep.log_path}")
+                self._spawn(rep)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, rep: Replica, mode: str = "wb") -> None:
+        main_thread = threading.current_thread() is threading.main_thread()
+        with rep.log_path.open(mode) as logf:
+            logf.write(f"$ {' '.join(rep.argv)}\n".encode())
+            logf.flush()
+            rep.proc = subprocess.Popen(
+                rep.argv,
+                env=rep.env,
+                cwd=self.log_dir,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if main_thread else None,
+            )
+        rep.started_at = time.monotonic()
+        rep.healthy_at = None
+        rep.stopping = False
+        self._log(f"{rep.name}: pid {rep.pid}, log {rep.log_path}")
+
+    def restart(self, index: int, timeout_s: float | None = None) -> Replica:
+        """Stop one replica's process group and start it again with the same settings (a new
+        process: vLLM's KV-event sequence restarts at 0), then wait for its /health."""
+        if self._stopped or not self.replicas:
+            raise FleetError("the fleet is not running")
+        rep = self.replicas[index]
+        if rep.proc is not None:
+            rep.stopping = True
+            _signal_group(rep.proc.pid, signal.SIGTERM)
+            self._reap(rep, time.monotonic() + self.spec.stop_grace_s)
+        self._spawn(rep, mode="ab")
+        self.wait_healthy(timeout_s)
+        return rep
 
     def check(self) -> None:
         """Raise ReplicaFailedError if a replica process has exited (and was not stopped)."""
@@ -542,18 +561,7 @@ class LocalFleet:
             _signal_group(rep.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.spec.stop_grace_s
         for rep in started:
-            assert rep.proc is not None
-            pgid = rep.proc.pid
-            while time.monotonic() < deadline and (rep.proc.poll() is None or group_alive(pgid)):
-                time.sleep(0.1)
-            if rep.proc.poll() is None or group_alive(pgid):
-                self._log(f"{rep.name}: still running after SIGTERM, sending SIGKILL")
-                _signal_group(pgid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                rep.proc.wait(timeout=10)
-            end = time.monotonic() + 5
-            while group_alive(pgid) and time.monotonic() < end:
-                time.sleep(0.05)
+            self._reap(rep, deadline)
         if started:
             self._log("fleet stopped")
         if (
@@ -562,6 +570,21 @@ class LocalFleet:
             and os.environ.get("LOCAL_FLEET_KEEP_LOGS") is None
         ):
             shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _reap(self, rep: Replica, deadline: float) -> None:
+        """Wait for a signalled replica's group to exit; SIGKILL it at `deadline`."""
+        assert rep.proc is not None
+        pgid = rep.proc.pid
+        while time.monotonic() < deadline and (rep.proc.poll() is None or group_alive(pgid)):
+            time.sleep(0.1)
+        if rep.proc.poll() is None or group_alive(pgid):
+            self._log(f"{rep.name}: still running after SIGTERM, sending SIGKILL")
+            _signal_group(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            rep.proc.wait(timeout=10)
+        end = time.monotonic() + 5
+        while group_alive(pgid) and time.monotonic() < end:
+            time.sleep(0.05)
 
     # -- async --------------------------------------------------------------------------------
 

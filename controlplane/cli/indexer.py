@@ -37,7 +37,7 @@ from controlplane.kvevents.config import (
 from controlplane.kvevents.service import EventIndexer, ReplicaStatus
 from controlplane.prefix.protocol import AsyncPrefixIndex, PrefixIndex
 
-err = Console(stderr=True)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
 
 def status_table(rows: list[ReplicaStatus], elapsed_s: float) -> Table:
@@ -116,8 +116,9 @@ async def run_indexer(
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+        final = indexer.status()
         await indexer.close()
-    console.print(status_table(indexer.status(), time.monotonic() - started))
+    console.print(status_table(final, time.monotonic() - started))
 
 
 @app.command("indexer")

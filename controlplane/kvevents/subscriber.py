@@ -39,9 +39,10 @@ does not contain verbatim is from a replaced process (`stale`), never applied.
    that times out (`replay_timeout_s` of silence) or cannot be sent fails: the gap is treated
    as unrecoverable, and no replay is attempted for `replay_backoff_s` (gaps in that window are
    losses at once). Without a replay endpoint every gap is unrecoverable.
-4. After the SUB socket reconnects (a socket monitor reports a second handshake), the next
-   live batch is verified like a gap even when its seq follows `applied_seq`: a restarted
-   replica whose first batch we see carries exactly `applied_seq + 1` is caught by the overlap.
+4. After the SUB socket reconnects (a socket monitor reports a second handshake), the replay
+   backoff is lifted and the next live batch is verified like a gap even when its seq follows
+   `applied_seq`: a restarted replica whose first batch we see carries exactly
+   `applied_seq + 1` is caught by the overlap (without a replay, the state is purged).
 5. A batch that cannot be decoded is counted and skipped (its seq is consumed). A sink error
    (index down) triggers a RESYNC after `sink_retry_s`: purge (retried until it succeeds),
    then replay from 0.
@@ -151,6 +152,7 @@ class ReplicaSubscriber:
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         replay_backoff_s: float = DEFAULT_REPLAY_BACKOFF_S,
         sink_retry_s: float = DEFAULT_SINK_RETRY_S,
+        reconnect_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.replica_id = replica_id
@@ -160,6 +162,7 @@ class ReplicaSubscriber:
         self.replay_timeout_s = replay_timeout_s
         self.replay_backoff_s = replay_backoff_s
         self.sink_retry_s = sink_retry_s
+        self.reconnect_s = reconnect_s
         self.stats = SubscriberStats()
         self.state = SyncState.CONNECTING
         self.trusted = False
@@ -193,6 +196,7 @@ class ReplicaSubscriber:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
+        sub.setsockopt(zmq.RECONNECT_IVL, max(1, round(self.reconnect_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         # handshakes on the SUB socket: the first is the connection, later ones reconnections
         self._monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
@@ -321,8 +325,10 @@ class ReplicaSubscriber:
         if covered:
             self._skip_covered(seq, payload)
             return
-        if await self._reconnected() and self.applied_seq >= 0:
-            self._verify = True
+        if await self._reconnected():
+            # the replica may have restarted (and its replay endpoint come back)
+            self._replay_blocked_until = float("-inf")
+            self._verify = self.applied_seq >= 0
         wire_before, self.wire_seq = self.wire_seq, seq
         if seq <= self.applied_seq:
             if self._is_duplicate(seq, payload, wire_before):
@@ -337,8 +343,9 @@ class ReplicaSubscriber:
             if await self._fill_gap():
                 self._skip_covered(seq, payload)
                 return
-            if gap:  # no replay, or it failed: the batches in between are lost
-                await self._lose(self.applied_seq + 1, seq)
+            # no replay, or it failed: the batches in between are lost (after a reconnection
+            # without a gap: none are, but continuity is unproven, so the state goes too)
+            await self._lose(self.applied_seq + 1, seq)
         await self._apply(seq, payload, replayed=False)
 
     async def _reconnected(self) -> bool:
@@ -519,6 +526,7 @@ class ReplicaSubscriber:
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.IMMEDIATE, 1)
+            dealer.setsockopt(zmq.RECONNECT_IVL, max(1, round(self.reconnect_s * 1000)))
             dealer.connect(self.replay_endpoint)
             self._dealer = dealer
         return self._dealer

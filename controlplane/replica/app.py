@@ -413,6 +413,12 @@ def build_app(replica: Replica) -> Starlette:
         pub = replica.publisher
         return JSONResponse(pub.sources() if pub is not None else {})
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        # vLLM serves this only in dev mode (VLLM_SERVER_DEV_MODE=1); so does the simulator
+        if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse({"success": replica.loop.reset_prefix_cache()})
+
     async def faults_route(request: Request) -> Response:
         token = config.admin_token
         if not token:
@@ -464,6 +470,7 @@ def build_app(replica: Replica) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/kv_event_sources", kv_event_sources, methods=["GET"]),
         Route("/_faults", faults_route, methods=["GET", "POST"]),
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
     ]
     app = Starlette(
         routes=routes,

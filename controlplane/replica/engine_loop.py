@@ -201,6 +201,15 @@ class EngineLoop:
             # this step's events may still name its blocks: release them after they are read
             self._release.append(live)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's dev-mode reset: forget every cached block, only when no request holds blocks
+        (False otherwise, as vLLM answers). Like vLLM, the `AllBlocksCleared` event waits in
+        the queue and goes out with the next step's batch."""
+        engine = self.engine
+        if self._step_end is not None or engine.num_running or engine.num_waiting:
+            return False
+        return engine.pool.reset_prefix_cache()
+
     @property
     def num_live(self) -> int:
         return len(self._live)
