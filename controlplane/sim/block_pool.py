@@ -1,9 +1,13 @@
 """The paged KV block pool with prefix caching, as vLLM v1's `BlockPool` behaves.
 
 - Block 0 is the null block and is never handed out, so `num_blocks - 1` blocks are usable.
-- Free blocks sit in one LRU queue. Initially it holds every block in id order; freed blocks are
-  appended at the tail; allocation pops from the head. Never-used ("fresh") blocks therefore always
-  precede recycled ones; we keep them as an id range instead of materialising millions of entries.
+- Free blocks sit in one queue; allocation pops from its head. Initially it holds every block in
+  id order. A freed block that is cached (has a hash) is appended at the tail, so cached blocks
+  leave in LRU order; a freed block without a hash (a request's partial last block, or any block
+  when caching is off) is pushed onto the head, so it is reused first (vLLM's `free_blocks`:
+  "LIFO reuse of non-cached blocks"). The queue is therefore three parts, head to tail: a stack of
+  uncached freed blocks, the never-used ("fresh") blocks, which we keep as an id range instead of
+  materialising millions of entries, and the cached freed blocks in LRU order.
 - A block whose hash is set is *cached*: a later request with the same chained hash can reuse it.
   Cached blocks stay cached while free (ref count 0) until allocation pops them, which evicts them
   (one `BlockRemoved`). Reusing a free cached block ("touch") pulls it out of the free queue.
@@ -58,6 +62,7 @@ class BlockPool:
         "_qpos",
         "_ref",
         "_ring",
+        "_stack",
         "_tail",
         "block_size",
         "enable_caching",
@@ -94,7 +99,9 @@ class BlockPool:
         self._ring = np.zeros(1 << 16, dtype=np.int64)
         self._head = 0
         self._tail = 0
-        self._nfree = 0
+        self._nfree = 0  # live entries between _head and _tail
+        # uncached freed blocks, reused first: the top (end of the list) is the queue's head
+        self._stack: list[int] = []
         # hash id -> earliest block holding it (0: not cached; block 0 is the null block, never
         # cached, so zero-filled memory, which numpy gets lazily from the OS, means "empty");
         # later duplicates by insertion order
@@ -105,7 +112,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks allocatable now (never-used plus free, including cached-but-unreferenced)."""
-        return self.num_blocks - self._fresh_next + self._nfree
+        return self.num_blocks - self._fresh_next + self._nfree + len(self._stack)
 
     @property
     def usage(self) -> float:
@@ -132,13 +139,14 @@ class BlockPool:
         return b or None
 
     def is_free(self, block: int) -> bool:
-        return block >= self._fresh_next or self._qpos[block] >= 0
+        return block >= self._fresh_next or self._qpos[block] != -1
 
     def free_queue(self) -> list[int]:
-        """Recycled free blocks in eviction order (fresh blocks come before these)."""
+        """Recycled free blocks in allocation order (fresh blocks sit between the uncached
+        ones, which come first, and the cached ones)."""
         pos = np.arange(self._head, self._tail)
         live = self._ring[self._head : self._tail]
-        return [int(b) for b in live[self._qpos[live] == pos]]
+        return self._stack[::-1] + [int(b) for b in live[self._qpos[live] == pos]]
 
     def longest_cached_prefix(self, hashes: IdsLike, max_blocks: int) -> Blocks:
         """Blocks holding the leading `hashes`, stopping at the first miss or `max_blocks`."""
@@ -184,9 +192,18 @@ class BlockPool:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
         if n <= _SMALL:
             return np.array(self._allocate_small(n), dtype=np.int64)
+        parts: list[Blocks] = []
+        stack = self._stack
+        if stack:
+            k = min(n, len(stack))
+            top = np.array(stack[-1 : -k - 1 : -1], dtype=np.int64)
+            del stack[-k:]
+            self._qpos[top] = -1
+            self._ref[top] = 1
+            parts.append(top)
+            n -= k
         start = self._fresh_next
         fresh = min(n, self.num_blocks - start)
-        parts: list[Blocks] = []
         if fresh:
             self._grow_blocks(start + fresh)
             self._fresh_next = start + fresh
@@ -244,13 +261,24 @@ class BlockPool:
             self.events.append(BlockStored(ids.tolist(), parent, self.block_size))
 
     def free(self, blocks_tail_first: IdsLike) -> None:
-        """Drop one reference from each block; unreferenced ones join the free queue's tail."""
+        """Drop one reference from each block; unreferenced cached ones join the free queue's
+        tail in the order given, uncached ones its head (the first given ends up first)."""
         if not len(blocks_tail_first):
             return
         blocks_tail_first = as_ids(blocks_tail_first)
         refs = self._ref[blocks_tail_first] - 1
         self._ref[blocks_tail_first] = refs
         freed = blocks_tail_first[refs == 0]
+        if not len(freed):
+            return
+        if self.enable_caching:
+            uncached = self._hash[freed] < 0
+            if uncached.any():
+                self._push_head(freed[uncached])
+                freed = freed[~uncached]
+        else:
+            self._push_head(freed)
+            return
         k = len(freed)
         if not k:
             return
@@ -277,9 +305,21 @@ class BlockPool:
         return events
 
     # -- internals -------------------------------------------------------------------------------
+    def _push_head(self, blocks: Blocks) -> None:
+        """Put uncached freed blocks at the head of the free queue, `blocks[0]` first."""
+        self._qpos[blocks] = -2  # free, but not in the ring
+        self._stack.extend(blocks[::-1].tolist())
+
     def _allocate_small(self, n: int) -> list[int]:
         """`allocate` for a few blocks, one at a time with scalar array access."""
         out: list[int] = []
+        stack = self._stack
+        while stack and n:
+            b = stack.pop()
+            self._qpos[b] = -1
+            self._ref[b] = 1
+            out.append(b)
+            n -= 1
         start = self._fresh_next
         fresh = min(n, self.num_blocks - start)
         if fresh:

@@ -466,13 +466,19 @@ def check_pool(pool: BlockPool, holders: Iterable[Sequence[int] | Blocks] | None
     assert all(pool.is_free(b) and b not in queued for b in range(n - fresh, n))
     assert 0.0 <= pool.usage <= 1.0
     assert pool.usage == 1.0 - pool.num_free / (n - 1)
+    # uncached freed blocks sit on the stack (the queue's head), the cached ones in the ring
+    stacked = pool._stack[::-1]
+    assert queue[: len(stacked)] == stacked
+    assert all(pool.block_hash(b) is None for b in stacked), "a cached block on the stack"
+    assert all(int(pool._qpos[b]) == -2 for b in stacked)
+    ringed = queue[len(stacked) :]
     # the ring: each queued block's live entry sits between head and tail, in queue order
-    live = [pool._ring[int(pool._qpos[b])] for b in queue]
-    assert live == queue
-    positions = [int(pool._qpos[b]) for b in queue]
+    live = [pool._ring[int(pool._qpos[b])] for b in ringed]
+    assert live == ringed
+    positions = [int(pool._qpos[b]) for b in ringed]
     assert positions == sorted(positions)
     assert all(pool._head <= p < pool._tail for p in positions)
-    assert pool._nfree == len(queue)
+    assert pool._nfree == len(ringed)
     # the cache index holds exactly the hashes of the blocks that carry one
     index = cache_index(pool)
     assert set(index) == set(hashed), "cached hashes differ from the hashes blocks carry"

@@ -33,7 +33,8 @@ def guard() -> Iterator[PoolGuard]:
 
 
 class ModelPool:
-    """vLLM's BlockPool written naively: every free block, fresh or not, sits in one queue."""
+    """vLLM's BlockPool written naively: every free block, fresh or not, sits in one queue;
+    freed blocks with a hash join its tail, those without one its head."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -91,11 +92,18 @@ class ModelPool:
         self.events.append(("stored", tuple(hashes), parent))
 
     def free(self, blocks_tail_first: Sequence[int]) -> None:
+        head: list[int] = []
         for b in blocks_tail_first:
             self.ref[b] -= 1
             assert self.ref[b] >= 0, "double free"
             if self.ref[b] == 0:
-                self.queue[b] = None
+                if self.hash[b] is None:
+                    head.append(b)  # reused first, in the order given
+                else:
+                    self.queue[b] = None
+        for b in reversed(head):
+            self.queue[b] = None
+            self.queue.move_to_end(b, last=False)
 
     def reset(self) -> bool:
         if len(self.queue) != self.num_blocks - 1:
@@ -228,18 +236,51 @@ def test_fresh_blocks_are_used_before_recycled_ones(guard: PoolGuard) -> None:
     pool.free(b[::-1])
 
 
-def test_recycled_blocks_leave_in_free_order(guard: PoolGuard) -> None:
+def test_cached_blocks_leave_in_free_order(guard: PoolGuard) -> None:
     pool = make_pool(7)
     guard.watch(pool)
     first = pool.allocate(2)  # [1, 2]
     second = pool.allocate(2)  # [3, 4]
     third = pool.allocate(2)  # [5, 6]
+    pool.cache(np.concatenate((first, second, third)), range(10, 16), None)
     pool.free(second[::-1])
     pool.free(third[::-1])
     pool.free(first[::-1])
     assert pool.free_queue() == [4, 3, 6, 5, 2, 1]
     assert pool.allocate(6).tolist() == [4, 3, 6, 5, 2, 1]
     pool.free(list(range(6, 0, -1)))
+
+
+def test_uncached_blocks_are_reused_first_last_freed_first(guard: PoolGuard) -> None:
+    """vLLM's `free_blocks`: blocks without a hash go to the queue's head (LIFO), ahead of
+    never-used blocks and of cached ones; cached ones go to the tail (LRU)."""
+    pool = make_pool(9)
+    guard.watch(pool)
+    a = pool.allocate(3)  # [1, 2, 3]: two full cached blocks and a partial one
+    pool.cache(a[:2], [10, 11], None)
+    b = pool.allocate(2)  # [4, 5]: nothing cached
+    pool.free(a[::-1])
+    pool.free(b[::-1])
+    # head: b's blocks (freed last, tail first), then a's partial block; a's cached ones at the tail
+    assert pool.free_queue() == [5, 4, 3, 2, 1]
+    # the uncached ones go before the three never-used blocks [6, 7, 8]
+    assert pool.allocate(4).tolist() == [5, 4, 3, 6]
+    assert pool.allocate(4).tolist() == [7, 8, 2, 1]
+    assert flatten_events(pool.take_events())[-2:] == [
+        ("removed", (11,), None),
+        ("removed", (10,), None),
+    ]
+    pool.free(list(range(8, 0, -1)))
+
+
+def test_without_caching_every_freed_block_is_reused_last_in_first_out() -> None:
+    pool = BlockPool(6, 4, enable_caching=False)
+    a = pool.allocate(2)  # [1, 2]
+    b = pool.allocate(2)  # [3, 4]
+    pool.free(a[::-1])
+    pool.free(b[::-1])
+    assert pool.allocate(5).tolist() == [4, 3, 2, 1, 5]
+    check_pool(pool)
 
 
 def test_tail_blocks_of_a_request_are_evicted_first() -> None:
@@ -506,22 +547,24 @@ def test_queue_compaction_keeps_lru_order() -> None:
     pool = make_pool(n, events=False)
     model = ModelPool(n, 4)
     ring_size = len(pool._ring)
-    rounds = 2 * ring_size // n + 50  # each round queues n entries: at least two compactions
+    rounds = 2 * ring_size // (n - 1) + 50  # n - 1 entries a round: two compactions or more
     compactions = 0
     hashes = 0
     for r in range(rounds):
         tail = pool._tail
         got = pool.allocate(n - 1).tolist()
         assert got == model.allocate(n - 1)
-        # cache a few, keep one referenced through a touch so the queue has holes
-        pool.cache(got[:2], [hashes, hashes + 1], None)
-        model.cache(got[:2], [hashes, hashes + 1], None)
-        hashes += 2
+        # cache all but the last (uncached blocks skip the ring), keep one referenced
+        # through a touch so the queue has holes
+        ids = list(range(hashes, hashes + n - 2))
+        pool.cache(got[:-1], ids, None)
+        model.cache(got[:-1], ids, None)
+        hashes += n - 2
         order = got[::-1] if r % 2 else got
         pool.free(order)
         model.free(order)
-        hit = pool.longest_cached_prefix([hashes - 2], 1).tolist()
-        assert hit == model.lookup([hashes - 2], 1)
+        hit = pool.longest_cached_prefix([ids[0]], 1).tolist()
+        assert hit == model.lookup([ids[0]], 1)
         pool.touch(hit)
         model.touch(hit)
         pool.free(hit)
@@ -669,7 +712,8 @@ class PoolMachine(RuleBasedStateMachine):
         assert pool.num_free == model.num_free
         n, recycled = pool.num_blocks, pool.free_queue()
         fresh = list(range(n - (pool.num_free - len(recycled)), n))
-        assert fresh + recycled == list(model.queue)
+        stacked = len(pool._stack)
+        assert recycled[:stacked] + fresh + recycled[stacked:] == list(model.queue)
         for b in range(pool.num_blocks):
             assert pool.ref_count(b) == model.ref[b]
             assert pool.block_hash(b) == model.hash[b]

@@ -314,9 +314,10 @@ def test_no_admission_in_a_step_that_preempted(guard: PoolGuard) -> None:
     assert [r.request_id for r in sched.waiting] == ["r3", "r2"]  # by (priority, arrival)
     apply_outputs(sched, batch)
     batch, _ = step(sched)
-    # high finished and freed its blocks; r3 takes the LRU head, which is low's cached block 0
-    # (low freed tail first and high took its block 1), so low re-admits with no hit
-    assert names(batch.scheduled) == [("r3", 3, 0), ("r2", 9, 0)]
+    # high finished and freed its blocks: its partial last block (uncached) went to the queue's
+    # head, its full ones behind low's cached block 0. r3 takes that partial block, so low's
+    # block 0 survives and low re-admits with a one-block hit
+    assert names(batch.scheduled) == [("r3", 3, 0), ("r2", 5, 4)]
     run_to_completion(sched)
     assert low.num_output == 6 and low.preemptions == 1
 
