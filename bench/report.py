@@ -171,6 +171,54 @@ def ablation(data: Any) -> str:
     )
 
 
+def index(data: Any) -> str:
+    rows = [
+        ("lookup p50 / p99, sequential", f"{data['lookup_p50_ms']} / {data['lookup_p99_ms']} ms",
+         "p99 < 2 ms"),
+        ("server time per lookup", f"{data['server_us_per_lookup']:.0f} us", ""),
+        ("round trips per lookup", data["round_trips_per_lookup"], "1"),
+        ("lookups/s, one router process", f"{data['lookups_per_s']:,.0f}", ""),
+        (
+            "at 50% of that rate: p50 / p99, unknown",
+            f"{data['at_50pct_load_p50_ms']} / {data['at_50pct_load_p99_ms']} ms, "
+            f"{data['at_50pct_load_unknown']:.2%}",
+            "",
+        ),
+        (
+            "at 80% of that rate: p50 / p99, unknown",
+            f"{data['at_80pct_load_p50_ms']} / {data['at_80pct_load_p99_ms']} ms, "
+            f"{data['at_80pct_load_unknown']:.2%}",
+            "",
+        ),
+        (
+            "one holder of the full prompt: p50 / p99",
+            f"{data['one_holder_p50_ms']} / {data['one_holder_p99_ms']} ms",
+            "",
+        ),
+        (
+            "eight long holders: p50 / p99",
+            f"{data['eight_long_holders_p50_ms']} / {data['eight_long_holders_p99_ms']} ms",
+            "",
+        ),
+        (
+            "Redis memory per 1M confirmed blocks",
+            f"{data['redis_bytes_per_million_blocks'] / 1e6:.0f} MB",
+            "",
+        ),
+        (
+            "Redis memory per 1M speculative blocks",
+            f"{data['speculative_bytes_per_million_blocks'] / 1e6:.0f} MB",
+            "",
+        ),
+        ("confirmed blocks written/s", f"{data['confirmed_blocks_written_per_s']:,}", ""),
+    ]
+    return md_table(
+        [f"{data['prompt_tokens']:,}-token prompt, {data['replicas']} replicas", "measured",
+         "target"],
+        rows,
+    )
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "roofline": ("roofline_fidelity.json", roofline),
     "exact_ceiling": ("sim_fidelity.json", exact_ceiling),
@@ -179,6 +227,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "scaling": ("sim_speed.json", scaling),
     "demo": ("routing_quality.json", demo),
     "ablation": ("routing_quality.json", ablation),
+    "index": ("index.json", index),
 }
 
 

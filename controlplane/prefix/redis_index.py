@@ -75,6 +75,11 @@ log = logging.getLogger(__name__)
 
 MASK64 = (1 << 64) - 1
 _INC_OFFSET = 1 << 63
+# A router that does not follow a replica's KV events (a separate `controlplane indexer` writes
+# them) does not know the incarnation the indexer uses: it looks up and speculates with this
+# value, which matches whatever incarnation Redis holds for the replica (the lowest possible one
+# when none is held, so the indexer's first write replaces its speculative entries).
+ANY_INCARNATION = -(1 << 63)
 
 Arg = str | bytes | int
 
@@ -88,7 +93,10 @@ def chain_blob(hashes: Sequence[int]) -> bytes:
 
 
 def encode_incarnation(incarnation: int) -> str:
-    """16 hex digits whose string order is the numeric order of signed 64-bit incarnations."""
+    """16 hex digits whose string order is the numeric order of signed 64-bit incarnations;
+    `ANY_INCARNATION` is the empty string (the scripts read it as "the stored one")."""
+    if incarnation == ANY_INCARNATION:
+        return ""
     return f"{(int(incarnation) + _INC_OFFSET) & MASK64:016x}"
 
 

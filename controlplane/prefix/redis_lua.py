@@ -27,7 +27,8 @@ end
 # ARGV: prefix, now ('' = Redis TIME), chain (8 bytes per block), candidates as one string
 # "replica\0incarnation\0replica\0incarnation..." (one argument and one reply string rather than
 # 32 integers: redis-py's pure-Python parser costs a few microseconds per element).
-# Returns "matched,confirmed,matched,confirmed,..." in candidate order.
+# Returns "matched,confirmed,matched,confirmed,..." in candidate order. An empty incarnation
+# matches whatever incarnation is stored (ANY_INCARNATION in redis_index.py).
 #
 # For each candidate whose stored incarnation equals the given one: `conf(pos)` = first block at
 # or after `pos` not in the confirmed SET, `spec(pos)` = first block at or after `pos` without a
@@ -97,7 +98,9 @@ local out = {}
 for c = 1, nc do
   local rid = cands[2 * c - 1]
   local m, cf = 0, 0
-  if n > 0 and redis.call('GET', P .. ':i:' .. rid) == cands[2 * c] then
+  local want = cands[2 * c]
+  local got = redis.call('GET', P .. ':i:' .. rid)
+  if n > 0 and got and (want == '' or got == want) then
     local ck = P .. ':c:' .. rid
     local sk = P .. ':s:' .. rid
     cf = conf(ck, 0)
@@ -117,7 +120,7 @@ return table.concat(out, ',')
 """
 )
 
-# ARGV: prefix, now, op, replica, incarnation (16 hex, ordered), chain, entry ttl ms,
+# ARGV: prefix, now, op, replica, incarnation (16 hex, ordered; '' = the stored one), chain, entry ttl ms,
 # speculative ttl ms, per-replica cap, work budget (entries trimmed or evicted per call at most).
 # op: 's' stored, 'r' removed, 'p' speculate, 'c' clear (all incarnations).
 # Returns {status, evicted}: status 1 applied, 0 older incarnation (ignored), 2 applied after
@@ -149,6 +152,10 @@ end
 
 local status = 1
 local cur = redis.call('GET', IK)
+if inc == '' then
+  -- "whatever incarnation is current" (routers that do not follow the replica's events)
+  inc = cur or '0000000000000000'
+end
 if cur ~= inc then
   if cur and not older(cur, inc) then
     return {0, 0}

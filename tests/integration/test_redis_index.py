@@ -17,7 +17,7 @@ from redis_server import RedisServer, available
 from controlplane.errors import ConfigError
 from controlplane.hashing import BlockHasher, scope_key
 from controlplane.prefix.memory import InMemoryPrefixIndex
-from controlplane.prefix.redis_index import RedisPrefixIndex, check_url
+from controlplane.prefix.redis_index import ANY_INCARNATION, RedisPrefixIndex, check_url
 from controlplane.types import PrefixMatch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
@@ -215,8 +215,30 @@ async def test_new_incarnation_purges_and_old_writes_are_ignored(
     assert await index.lookup(Q, [("r0", 2)]) == {"r0": PrefixMatch("r0", 3, 3)}
 
 
+async def test_any_incarnation_follows_the_stored_one(make_index: Factory) -> None:
+    """A router that does not follow events looks up and speculates with ANY_INCARNATION."""
+    index = make_index()
+    any_ = [("r0", ANY_INCARNATION)]
+    await index.speculate("r0", ANY_INCARNATION, Q[:5], 30.0)  # nothing stored yet
+    assert await index.flush()
+    assert await index.lookup(Q, any_) == {"r0": PrefixMatch("r0", 5, 0)}
+    # the indexer's first write (a real incarnation) replaces the speculative placeholder
+    await index.record_stored("r0", 7, Q[:3])
+    assert await index.flush()
+    assert await index.lookup(Q, any_) == {"r0": PrefixMatch("r0", 3, 3)}
+    await index.speculate("r0", ANY_INCARNATION, Q[:8], 30.0)  # joins incarnation 7
+    assert await index.flush()
+    assert await index.lookup(Q, any_) == {"r0": PrefixMatch("r0", 8, 3)}
+    assert await index.lookup(Q, [("r0", 7)]) == {"r0": PrefixMatch("r0", 8, 3)}
+    # a restart (new incarnation): ANY follows it, nothing of the old one matches
+    await index.record_stored("r0", 8, Q[:2])
+    assert await index.flush()
+    assert await index.lookup(Q, any_) == {"r0": PrefixMatch("r0", 2, 2)}
+    assert await index.lookup(Q, [("r1", ANY_INCARNATION)]) == {}
+
+
 @pytest.mark.parametrize(
-    "order", [(-5, 0, 3), (0, 1 << 40, (1 << 63) - 1), (-(1 << 63), -1, 0), (9, 10, 11)]
+    "order", [(-5, 0, 3), (0, 1 << 40, (1 << 63) - 1), (-(1 << 63) + 1, -1, 0), (9, 10, 11)]
 )
 async def test_incarnations_order_numerically(make_index: Factory, order: tuple[int, ...]) -> None:
     index = make_index()
