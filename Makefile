@@ -9,7 +9,7 @@ OUT    ?= out
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
 
-.PHONY: run demo test lint typecheck unit bench clean help vllm-env fleet redis-server
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $(STAMP)
 
-run: $(STAMP) ## replay the Mooncake trace at 3x through three routing policies (8 x H100)
+run: $(STAMP) ## the router on 127.0.0.1:8000 in front of 3 simulated replicas (+ a private Redis); Ctrl-C stops all
+	@$(MAKE) --no-print-directory redis-server || echo "no redis-server: the router uses its in-memory index"
+	$(BIN)/controlplane up --replicas 3 --port 8000
+
+replay: $(STAMP) ## replay the Mooncake trace at 3x through three routing policies (8 x H100)
 	$(BIN)/controlplane replay --trace mooncake --rate-scale 3 \
 		--policies round_robin,prefix_affinity,predicted_finish \
 		--json $(OUT)/run.json --plot $(OUT)/run.png

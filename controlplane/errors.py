@@ -4,9 +4,16 @@
     ├── ConfigError            bad settings, unknown GPU/model/policy names, invalid flags
     ├── TraceError             a trace file that cannot be read or parsed
     ├── RequestError           a request the router must refuse (maps to a 4xx)
-    │   └── PromptTooLongError prompt + max_tokens exceed the model's context
-    └── CapacityError          nothing can serve the request now (maps to 503)
-        └── NoReadyReplicaError
+    │   ├── PromptTooLongError prompt + max_tokens exceed the model's context
+    │   ├── BodyTooLargeError  413: the body exceeds the configured limit
+    │   ├── ModelNotFoundError 404: a model this router does not serve
+    │   ├── AuthError          401: a missing or wrong key
+    │   └── NotFoundError      404: an unknown resource (replica, route)
+    │       └── UnknownReplicaError  a replica id the fleet does not know
+    ├── CapacityError          nothing can serve the request now (maps to 503)
+    │   └── NoReadyReplicaError
+    └── UpstreamError          the chosen replica failed the request (502)
+        └── UpstreamTimeoutError  no answer within the deadline (504)
 
 Library code raises these; the HTTP boundary maps them to OpenAI-shaped errors once, and the CLI
 maps them to a message on stderr and a non-zero exit code.
@@ -37,6 +44,36 @@ class PromptTooLongError(RequestError):
     """Prompt plus max_tokens exceed the served model's context length."""
 
 
+class BodyTooLargeError(RequestError):
+    """The request body exceeds the configured limit."""
+
+    status_code = 413
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model this router does not serve."""
+
+    status_code = 404
+
+
+class AuthError(RequestError):
+    """A missing or wrong API or admin key."""
+
+    status_code = 401
+
+
+class NotFoundError(RequestError):
+    """An unknown resource."""
+
+    status_code = 404
+
+
+class UnknownReplicaError(NotFoundError):
+    """A replica id the router does not know (admin API, the live fleet)."""
+
+    status_code = 404
+
+
 class CapacityError(ControlPlaneError):
     """No capacity to serve the request now."""
 
@@ -45,3 +82,15 @@ class CapacityError(ControlPlaneError):
 
 class NoReadyReplicaError(CapacityError):
     """Every replica is loading, draining, ejected or dead."""
+
+
+class UpstreamError(ControlPlaneError):
+    """The replica the request was sent to failed it."""
+
+    status_code = 502
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """The replica did not answer within the deadline."""
+
+    status_code = 504

@@ -120,8 +120,9 @@ return table.concat(out, ',')
 """
 )
 
-# ARGV: prefix, now, op, replica, incarnation (16 hex, ordered; '' = the stored one), chain, entry ttl ms,
-# speculative ttl ms, per-replica cap, work budget (entries trimmed or evicted per call at most).
+# ARGV: prefix, now, op, replica, incarnation (16 hex, ordered; '' = the stored one), chain,
+# entry ttl ms, speculative ttl ms, per-replica cap, work budget (entries trimmed or evicted per
+# call at most).
 # op: 's' stored, 'r' removed, 'p' speculate, 'c' clear (all incarnations).
 # Returns {status, evicted}: status 1 applied, 0 older incarnation (ignored), 2 applied after
 # dropping an older incarnation's entries; evicted = entries dropped by the per-replica cap.

@@ -1,0 +1,126 @@
+"""`controlplane serve` (the router alone) and `controlplane up` (Redis, replicas and router)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.text import Text
+
+from controlplane.cli import app
+
+err = Console(stderr=True)
+
+
+def _progress(msg: str) -> None:
+    err.print(Text.assemble((time.strftime("%H:%M:%S"), "dim"), " ", msg), highlight=False)
+
+
+def _run_router(settings: object) -> None:
+    import uvicorn
+
+    from router.config import RouterSettings
+    from router.service import create_app
+    from router.telemetry import configure_logging, setup_tracing
+
+    assert isinstance(settings, RouterSettings)
+    configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
+    # one line per probe and scrape of every replica is noise; the router logs what matters
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    setup_tracing(settings.telemetry.otel_exporter)
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+
+
+@app.command("serve")
+def serve_cmd(
+    config: Annotated[
+        Path | None, typer.Option(help="YAML router configuration (see deploy/).")
+    ] = None,
+    host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+    replica: Annotated[
+        list[str] | None,
+        typer.Option("--replica", help="ID=URL of a replica (repeatable; replaces the file's)."),
+    ] = None,
+    policy: Annotated[str | None, typer.Option(help="Routing policy name.")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Redis of the shared index.")] = None,
+) -> None:
+    """Run the router against configured replica URLs."""
+    from controlplane.errors import ConfigError
+    from router.config import load_settings
+
+    overrides: dict[str, object] = {"host": host, "port": port}
+    if replica:
+        reps = []
+        for item in replica:
+            rid, sep, url = item.partition("=")
+            if not sep or not url:
+                raise ConfigError(f"--replica expects ID=URL, got {item!r}")
+            reps.append({"id": rid, "url": url})
+        overrides["replicas"] = reps
+    if policy:
+        overrides["policy"] = {"name": policy}
+    if redis_url:
+        overrides["redis"] = {"url": redis_url}
+    _run_router(load_settings(config, **overrides))
+
+
+SNIPPET = """curl -s http://{host}:{port}/v1/chat/completions \\
+  -H 'content-type: application/json' \\
+  -d '{{"model": "{model}", "max_tokens": 16,
+       "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+
+python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="http://{host}:{port}/v1", api_key="unused")
+for chunk in client.chat.completions.create(
+        model="{model}", messages=[{{"role": "user", "content": "Hello!"}}],
+        max_tokens=16, stream=True):
+    print(chunk.choices[0].delta.content or "", end="", flush=True)
+print()
+PY"""
+
+
+@app.command("up")
+def up_cmd(
+    replicas: Annotated[int, typer.Option(min=1, help="Simulated replicas.")] = 3,
+    port: Annotated[int, typer.Option(help="Router port.")] = 8000,
+    host: Annotated[str, typer.Option(help="Router interface.")] = "127.0.0.1",
+    policy: Annotated[str, typer.Option(help="Routing policy name.")] = "prefix_affinity",
+    no_redis: Annotated[
+        bool, typer.Option("--no-redis", help="Use the in-memory index, not a private Redis.")
+    ] = False,
+    speed: Annotated[float, typer.Option(help="Simulated time speed-up.")] = 1.0,
+) -> None:
+    """A private Redis, simulated vLLM replicas and the router in front; Ctrl-C stops all."""
+    from deploy.local_stack import LocalStack
+
+    stack = LocalStack(replicas=replicas, redis=not no_redis, speed=speed, log=_progress)
+    _progress(f"starting {'a private Redis and ' if not no_redis else ''}{replicas} replicas")
+    with stack:
+        settings = stack.router_settings(host=host, port=port, policy={"name": policy})
+        index = f"Redis at {stack.redis_url}" if stack.redis_url else "the in-memory index"
+        _progress(f"replicas ready; prefix index: {index}")
+        text = SNIPPET.format(host=host, port=port, model=settings.served_model)
+        err.print(
+            Panel(
+                text,
+                title=f"router on http://{host}:{port} ({policy}); Ctrl-C stops everything",
+            )
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            _run_router(settings)
+        _progress("stopping")

@@ -1,0 +1,276 @@
+"""The live router's configuration: one pydantic-settings model, every field described.
+
+Sources, highest first: explicit values (CLI flags), `CP_*` environment variables (`__` nests:
+`CP_REDIS__URL`, `CP_LIMITS__MAX_TOKENS`), a YAML file (`CP_CONFIG_FILE` or `--config`), the
+defaults below. `controlplane config show` prints the resolved result with every default made
+explicit; `controlplane config diff A B` compares two.
+
+The routing policy is either one policy (`policy.name` + `policy.params`) or an A/B split
+(`policy.arms`: several named arms, each a policy with parameters and a weight; a request's arm is
+a deterministic function of its sticky key, the tenant or the session key, so one tenant or one
+conversation always sees one arm).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+from controlplane.errors import ConfigError
+
+CONFIG_FILE_ENV = "CP_CONFIG_FILE"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReplicaConfig(_Section):
+    id: str = Field(description="Stable replica id (metric label, index key part).")
+    url: str = Field(description="Base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000.")
+    gpu: str = Field(default="h100", description="GPU key of the roofline profile (cost model).")
+    model: str = Field(default="llama-3.1-8b", description="Model key of the roofline profile.")
+    tp: int = Field(default=1, ge=1, description="Tensor parallel degree of the replica.")
+    block_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV block size; None: read from vllm:cache_config_info at the first scrape.",
+    )
+    num_gpu_blocks: int | None = Field(
+        default=None, ge=1, description="KV blocks; None: from cache_config_info or the roofline."
+    )
+    kv_events: str | None = Field(
+        default=None, description="ZMQ endpoint of the replica's KV events (tcp://host:port)."
+    )
+    kv_replay: str | None = Field(
+        default=None, description="ZMQ endpoint of the replica's KV-event replay socket."
+    )
+    kv_topic: str = Field(default="", description="KV-event topic ('' = every topic).")
+
+
+class ArmConfig(_Section):
+    name: str = Field(description="Arm name (the `arm` label of every metric and span).")
+    policy: str = Field(description="Registered routing policy name.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Policy parameters.")
+    weight: float = Field(default=1.0, gt=0, description="Relative share of sticky keys.")
+
+
+class PolicyConfig(_Section):
+    name: str = Field(default="prefix_affinity", description="Routing policy (no A/B split).")
+    params: dict[str, Any] = Field(default_factory=dict, description="Its parameters.")
+    arms: list[ArmConfig] = Field(
+        default_factory=list, description="A/B split: when non-empty, replaces name/params."
+    )
+    sticky_key: Literal["tenant", "session"] = Field(
+        default="tenant",
+        description="What keeps a client on one arm: its tenant, or the session key "
+        "(`user` field / x-session-id header; tenant when absent).",
+    )
+    reservations: bool = Field(default=True, description="Track own in-flight work per replica.")
+    speculative: bool = Field(
+        default=True, description="Write speculative index entries at routing time."
+    )
+    speculative_ttl_s: float = Field(default=10.0, gt=0, description="Speculative entry TTL.")
+
+    @model_validator(mode="after")
+    def _unique_arms(self) -> PolicyConfig:
+        names = [a.name for a in self.arms]
+        if len(names) != len(set(names)):
+            raise ValueError(f"arm names must be unique: {names}")
+        return self
+
+
+class RedisConfig(_Section):
+    url: str | None = Field(
+        default=None, description="Redis holding the shared prefix index; None: in-memory index."
+    )
+    key_prefix: str = Field(default="rtr:pidx", description="Index key prefix (per model pool).")
+    lookup_budget_ms: float = Field(
+        default=25.0, gt=0, description="Lookup time budget; past it the match is unknown."
+    )
+    entry_ttl_s: float = Field(default=600.0, gt=0, description="Confirmed entry lifetime.")
+    password_env: str = Field(
+        default="CP_REDIS_PASSWORD", description="Environment variable holding the password."
+    )
+    ingest_events: bool = Field(
+        default=True,
+        description="This router follows the replicas' KV events into Redis itself; turn off "
+        "when a separate `controlplane indexer` does (several routers).",
+    )
+
+
+class LimitsConfig(_Section):
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond)."
+    )
+    max_prompt_tokens: int = Field(
+        default=131_072, ge=1, description="Largest prompt in tokens (400 beyond)."
+    )
+    max_tokens: int = Field(
+        default=32_768, ge=1, description="Largest max_tokens a request may ask (400 beyond)."
+    )
+    default_max_tokens: int | None = Field(
+        default=None, ge=1, description="max_tokens injected when a request gives none."
+    )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="Time to receive a whole request body (408 beyond)."
+    )
+
+
+class TimeoutsConfig(_Section):
+    connect_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica.")
+    ttft_s: float = Field(
+        default=60.0, gt=0, description="Deadline for the first byte of a response body."
+    )
+    idle_s: float = Field(
+        default=30.0, gt=0, description="Longest gap between two chunks of a stream."
+    )
+    total_s: float = Field(default=600.0, gt=0, description="Longest request end to end.")
+    retry_budget: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="Retries allowed as a fraction of recent requests (plus a floor of 3).",
+    )
+
+
+class HealthConfig(_Section):
+    probe_interval_s: float = Field(default=2.0, gt=0, description="Active /health probes.")
+    probe_timeout_s: float = Field(default=1.0, gt=0, description="One probe's timeout.")
+    scrape_interval_s: float = Field(default=0.5, gt=0, description="/metrics scrape period.")
+    consecutive_failures: int = Field(
+        default=3,
+        ge=1,
+        description="Failures in a row that eject a replica (proxy errors), or that mark it "
+        "dead (failed /health probes).",
+    )
+    eject_s: float = Field(default=15.0, gt=0, description="How long an ejection lasts first.")
+    max_ejected_fraction: float = Field(
+        default=0.5, ge=0, le=1, description="Never eject more than this share for slowness."
+    )
+    eject_max_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Cap of the ejection time, which doubles on each repeated ejection; a "
+        "replica admitted this long since its last ejection starts again at eject_s.",
+    )
+    scrape_timeout_s: float = Field(default=1.0, gt=0, description="One /metrics scrape's timeout.")
+
+
+class TelemetryConfig(_Section):
+    decision_header: bool = Field(
+        default=False,
+        description="Add x-cp-decision (arm, replica, reason, predicted hit) to responses. "
+        "Off by default: it names internal replicas.",
+    )
+    json_logs: bool = Field(default=True, description="One JSON object per log line.")
+    log_level: str = Field(default="INFO", description="Python log level of the router.")
+    otel_exporter: Literal["none", "console", "otlp"] = Field(
+        default="none", description="Where OpenTelemetry spans go (otlp: OTEL_* env settings)."
+    )
+
+
+class RouterSettings(BaseSettings):
+    """The resolved configuration of one router process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="CP_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    host: str = Field(default="127.0.0.1", description="Interface the router listens on.")
+    port: int = Field(default=8000, ge=0, le=65535, description="Port the router listens on.")
+    served_model: str = Field(
+        default="tiny-llama", description="Model name clients send; also scopes the index."
+    )
+    tokenizer: str = Field(
+        default="remote",
+        description="How prompts become token ids: a directory with tokenizer.json, "
+        "'remote' (a replica's /tokenize) or 'approx' (text estimate).",
+    )
+    hash_secret_env: str = Field(
+        default="CP_HASH_SECRET", description="Environment variable holding the hash secret."
+    )
+    admin_key: SecretStr | None = Field(
+        default=None, description="Bearer key for /admin/*; None disables the admin API."
+    )
+    replicas: list[ReplicaConfig] = Field(
+        default_factory=list, description="The fleet (more can be added through /admin)."
+    )
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Routing policy.")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Shared prefix index.")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
+    health: HealthConfig = Field(default_factory=HealthConfig, description="Fleet health.")
+    telemetry: TelemetryConfig = Field(
+        default_factory=TelemetryConfig, description="Metrics, traces, logs."
+    )
+
+    @field_validator("replicas")
+    @classmethod
+    def _unique_ids(cls, v: list[ReplicaConfig]) -> list[ReplicaConfig]:
+        ids = [r.id for r in v]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"replica ids must be unique: {ids}")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = os.environ.get(CONFIG_FILE_ENV)
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if path:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> RouterSettings:
+    """Resolve the settings: `overrides` > env > `config_file` (or $CP_CONFIG_FILE) > defaults.
+
+    Raises `ConfigError` with every problem listed."""
+    from pydantic import ValidationError
+
+    if config_file is not None and not Path(config_file).is_file():
+        raise ConfigError(f"config file not found: {config_file}")
+    old = os.environ.get(CONFIG_FILE_ENV)
+    try:
+        if config_file is not None:
+            os.environ[CONFIG_FILE_ENV] = str(config_file)
+        return RouterSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise ConfigError(f"invalid router configuration:\n{exc}") from None
+    except (yaml.YAMLError, OSError) as exc:
+        raise ConfigError(f"cannot read config file {config_file}: {exc}") from None
+    finally:
+        if config_file is not None:
+            if old is None:
+                os.environ.pop(CONFIG_FILE_ENV, None)
+            else:
+                os.environ[CONFIG_FILE_ENV] = old
+
+
+def resolved_dict(settings: RouterSettings) -> dict[str, Any]:
+    """Every field with its value (secrets masked): what `config show` prints."""
+    data = settings.model_dump(mode="json")
+    if settings.admin_key is not None:
+        data["admin_key"] = "**********"
+    return data
+
+
+def to_yaml(settings: RouterSettings) -> str:
+    return yaml.safe_dump(resolved_dict(settings), sort_keys=False)

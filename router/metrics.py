@@ -1,0 +1,209 @@
+"""The router's Prometheus metrics, in a registry of their own.
+
+Every `RouterMetrics` owns a `CollectorRegistry` (a fresh one unless given), so tests and several
+router apps in one process never collide on the global registry; `render()` is the `/metrics`
+body. Names carry the `cp_` prefix and their unit (`_seconds`, `_tokens`, `_total`).
+
+Per request (labels `arm`, `policy`; `arm` is the A/B arm, `policy` its routing policy):
+
+    cp_requests_total{arm,policy,reason,status}   reason = DecisionReason value; status = the HTTP
+                                                  status code ("200", "503", ...), or
+                                                  "client_closed" (the client went away) or
+                                                  "upstream_died" (the replica broke mid-response)
+    cp_ttft_seconds / cp_tpot_seconds / cp_e2e_seconds{arm,policy}       histograms
+    cp_prompt_tokens_total{arm,policy}
+    cp_predicted_prefix_hit_tokens_total{arm,policy}   what the router expected the replica to hold
+    cp_engine_cached_tokens_total{arm,policy}          usage.prompt_tokens_details.cached_tokens
+
+The A/B report (`controlplane ab report`) reads exactly these: prefix hit rate per arm =
+engine cached / prompt tokens, predicted hit rate = predicted / prompt tokens.
+
+Routing internals: `cp_decision_seconds{policy}` (the policy's `choose`),
+`cp_index_lookup_seconds{outcome}` (outcome: hit, miss, unknown = budget exceeded or index down),
+`cp_routing_fallbacks_total{reason}` (e.g. index_unknown).
+
+Per replica: `cp_outstanding_requests` / `cp_outstanding_tokens` (the router's ledger),
+`cp_engine_prefix_cache_hits_tokens` / `cp_engine_prefix_cache_queries_tokens` (gauges: the
+replica's own cumulative vLLM counters as last scraped, so they reset when the replica restarts),
+`cp_kv_events_applied_total` / `cp_kv_events_lost_total` (counters fed from the KV-event
+ingestor's cumulative stats by `sync_kv_events`, which adds the increase since the last call and
+treats a decrease as a restarted source), `cp_upstream_errors_total{replica,kind}`,
+`cp_ejections_total{replica,reason}`.
+
+Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_inflight_requests`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+STATUS_CLIENT_CLOSED = "client_closed"
+STATUS_UPSTREAM_DIED = "upstream_died"
+
+# time to first token: a cached short prompt (ms) to a long prefill behind a queue (minutes)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# time per output token after the first: a small batch (ms) to a saturated or preempted replica
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+# end to end: a short completion to a long generation
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# in-process routing decisions: microseconds
+DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1)
+# prefix-index lookups: in-memory (us) to a Redis round trip near its budget (tens of ms)
+LOOKUP_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+ARM_LABELS = ("arm", "policy")
+
+
+class RouterMetrics:
+    """Every metric of one router (see the module docstring), as attributes."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "cp_requests_total",
+            "Requests by arm, policy, decision reason and outcome status.",
+            ("arm", "policy", "reason", "status"),
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "cp_ttft_seconds", "Time to first token.", ARM_LABELS, buckets=TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "cp_tpot_seconds",
+            "Mean time per output token after the first, per request.",
+            ARM_LABELS,
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "cp_e2e_seconds", "Request end to end.", ARM_LABELS, buckets=E2E_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter(
+            "cp_prompt_tokens_total", "Prompt tokens of finished requests.", ARM_LABELS, registry=r
+        )
+        self.predicted_hit_tokens = Counter(
+            "cp_predicted_prefix_hit_tokens_total",
+            "Prompt tokens the router expected the chosen replica to hold in its prefix cache.",
+            ARM_LABELS,
+            registry=r,
+        )
+        self.engine_cached_tokens = Counter(
+            "cp_engine_cached_tokens_total",
+            "Prompt tokens the replica reported as cached (usage.prompt_tokens_details).",
+            ARM_LABELS,
+            registry=r,
+        )
+        self.engine_prefix_hits = Gauge(
+            "cp_engine_prefix_cache_hits_tokens",
+            "The replica's cumulative prefix-cache hit tokens, as last scraped.",
+            ("replica",),
+            registry=r,
+        )
+        self.engine_prefix_queries = Gauge(
+            "cp_engine_prefix_cache_queries_tokens",
+            "The replica's cumulative prefix-cache query tokens, as last scraped.",
+            ("replica",),
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "cp_decision_seconds",
+            "Time the routing policy took to decide.",
+            ("policy",),
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.index_lookup_seconds = Histogram(
+            "cp_index_lookup_seconds",
+            "Prefix-index lookup time by outcome (hit, miss, unknown).",
+            ("outcome",),
+            buckets=LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.outstanding_requests = Gauge(
+            "cp_outstanding_requests", "Requests in flight per replica.", ("replica",), registry=r
+        )
+        self.outstanding_tokens = Gauge(
+            "cp_outstanding_tokens",
+            "Outstanding work per replica in tokens (the router's ledger).",
+            ("replica",),
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "cp_routing_fallbacks_total",
+            "Decisions made without full information, by reason (e.g. index_unknown).",
+            ("reason",),
+            registry=r,
+        )
+        self.kv_events_applied = Counter(
+            "cp_kv_events_applied_total",
+            "KV events applied to the prefix index.",
+            ("replica",),
+            registry=r,
+        )
+        self.kv_events_lost = Counter(
+            "cp_kv_events_lost_total",
+            "KV event batches lost for good.",
+            ("replica",),
+            registry=r,
+        )
+        self.retries = Counter(
+            "cp_retries_total", "Requests retried on another replica.", ("reason",), registry=r
+        )
+        self.upstream_errors = Counter(
+            "cp_upstream_errors_total",
+            "Failed upstream attempts by replica and kind.",
+            ("replica", "kind"),
+            registry=r,
+        )
+        self.ejections = Counter(
+            "cp_ejections_total", "Replica ejections.", ("replica", "reason"), registry=r
+        )
+        self.client_disconnects = Counter(
+            "cp_client_disconnects_total", "Clients that went away mid-request.", registry=r
+        )
+        self.inflight = Gauge("cp_inflight_requests", "Requests in the router now.", registry=r)
+        self._kv_seen: dict[tuple[str, str], float] = {}
+
+    def sync_kv_events(self, replica: str, applied: float, lost: float) -> None:
+        """Feed the ingestor's cumulative counts: add the increase since the last call (the whole
+        value after a decrease, i.e. a restarted source)."""
+        for kind, counter, value in (
+            ("applied", self.kv_events_applied, applied),
+            ("lost", self.kv_events_lost, lost),
+        ):
+            last = self._kv_seen.get((replica, kind), 0.0)
+            delta = value - last if value >= last else value
+            if delta > 0:
+                counter.labels(replica=replica).inc(delta)
+            self._kv_seen[(replica, kind)] = value
+
+    def set_engine_prefix(self, replica: str, hits: float, queries: float) -> None:
+        """The replica's cumulative prefix-cache counters (tokens) from its last scrape."""
+        self.engine_prefix_hits.labels(replica=replica).set(hits)
+        self.engine_prefix_queries.labels(replica=replica).set(queries)
+
+    def forget_replica(self, replica: str) -> None:
+        """Drop the per-replica gauges of a replica that left the fleet (counters stay)."""
+        for gauge in (
+            self.engine_prefix_hits,
+            self.engine_prefix_queries,
+            self.outstanding_requests,
+            self.outstanding_tokens,
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(replica)
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition (Prometheus text format) and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+__all__ = [
+    "STATUS_CLIENT_CLOSED",
+    "STATUS_UPSTREAM_DIED",
+    "RouterMetrics",
+]

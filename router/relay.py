@@ -1,0 +1,293 @@
+"""One OpenAI request through the router, from validated body to the last byte relayed.
+
+    build + route                       4xx / 503 before anything is reserved or sent
+    open (race with client disconnect)  the first chunk, with at most one transparent retry
+    relay                               streamed: chunk by chunk (RelayResponse); else whole
+    close                               exactly once, in every path: upstream response closed,
+                                        reservation released, policy told, metrics recorded
+
+A client that disconnects while the router waits for the replica cancels the upstream call at
+once (the connection to the replica is closed, which makes vLLM abort the request); during a
+stream, the ASGI server's disconnect cancels the relay, with the same effect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from controlplane.errors import NoReadyReplicaError, UpstreamError
+from router.core import Routed
+from router.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
+from router.proxy import NotAccepted, SSEFilter, Upstream, Usage
+from router.runtime import RouterRuntime
+from router.tracing import (
+    extract_context,
+    inject_headers,
+    operation_for_path,
+    set_decision_attributes,
+    set_request_attributes,
+    set_usage_attributes,
+    span_name,
+)
+
+T = TypeVar("T")
+_RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def request_id_of(request: Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    return given if _RID.match(given) else f"cp-{uuid.uuid4().hex}"
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled the moment the client disconnects (raises ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+        raise
+    if task.done():
+        watch.cancel()
+        await asyncio.gather(watch, return_exceptions=True)
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone
+
+
+def upstream_payload(body: ChatCompletionRequest | CompletionRequest, rt: RouterRuntime) -> bytes:
+    data: dict[str, Any] = body.model_dump(mode="json", exclude_unset=True)
+    if body.stream:
+        opts = dict(data.get("stream_options") or {})
+        opts["include_usage"] = True
+        data["stream_options"] = opts
+    cap = rt.settings.limits.default_max_tokens
+    if cap is not None and body.output_cap is None:
+        data["max_tokens"] = cap
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+class Exchange:
+    """One request's relay state; `close` is idempotent and does all the accounting."""
+
+    def __init__(self, rt: RouterRuntime, routed: Routed, stream: bool, keep_usage: bool) -> None:
+        self.rt = rt
+        self.routed = routed
+        self.stream = stream
+        self.sse = SSEFilter(keep_usage)
+        self.up: Upstream | None = None
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.usage: Usage | None = None
+        self.closed = False
+        self.spans: tuple[Span, ...] = ()
+
+    async def open(self, path: str, payload: bytes, headers: dict[str, str]) -> Upstream:
+        core, proxy = self.rt.core, self.rt.proxy
+        proxy.budget.deposit()
+        while True:
+            try:
+                up = await proxy.open(self.routed.replica_id, path, payload, headers)
+            except NotAccepted as exc:
+                if len(self.routed.tried) > 1 or not proxy.budget.spend():
+                    raise UpstreamError(
+                        f"replica {self.routed.replica_id} refused the request ({exc.kind})"
+                    ) from None
+                if await core.reroute(self.routed) is None:
+                    raise NoReadyReplicaError("no other replica to retry on") from None
+                self.rt.metrics.retries.labels(exc.kind).inc()
+                continue
+            self.up = up
+            if up.response.status_code < 400:
+                self.first_at = self.last_at = up.first_at
+                core.first_token(self.routed)
+            return up
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The relayed stream: the first chunk, then the rest; an SSE error event on failure."""
+        assert self.up is not None
+        out = self.sse.feed(self.up.first)
+        if out:
+            yield out
+        try:
+            async for chunk in self.rt.proxy.rest(self.up):
+                self.last_at = time.monotonic()
+                out = self.sse.feed(chunk)
+                if out:
+                    yield out
+        except UpstreamError as exc:
+            self.status = "upstream_died"
+            yield sse_error_event(502, str(exc), "upstream_died")
+            return
+        if not self.sse.done:
+            self.status = "upstream_died"
+            yield sse_error_event(502, "the replica ended the stream early", "upstream_died")
+
+    status: str = "200"
+
+    async def close(self, status: str | None = None) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if status is not None:
+            self.status = status
+        if self.up is not None:
+            await self.up.aclose()
+        usage = self.sse.usage if self.stream else self.usage
+        r = self.routed
+        self.rt.core.finish(r, usage.completion_tokens if usage else None)
+        self.rt.record(r, self.status, usage, self.first_at, self.last_at)
+        for span in self.spans:
+            _decision_attributes(span, r)  # the replica may have changed on a retry
+            span.set_attribute("http.response.status_code", self.status)
+            if usage is not None:
+                set_usage_attributes(
+                    span,
+                    input_tokens=usage.prompt_tokens,
+                    output_tokens=usage.completion_tokens,
+                    cached_tokens=usage.cached_tokens,
+                )
+            span.end()
+
+
+class RelayResponse(StreamingResponse):
+    """A streaming response that closes its exchange however the stream ends (even when the
+    client left before it started)."""
+
+    def __init__(self, exchange: Exchange, headers: dict[str, str]) -> None:
+        super().__init__(exchange.chunks(), media_type="text/event-stream", headers=headers)
+        self.exchange = exchange
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except BaseException:
+            if self.exchange.status == "200":
+                self.exchange.status = "client_closed"
+            raise
+        finally:
+            if not self.exchange.sse.done and self.exchange.status == "200":
+                self.exchange.status = "client_closed"
+            if self.exchange.status == "client_closed" and not self.exchange.closed:
+                self.exchange.rt.metrics.client_disconnects.inc()  # left mid-stream
+            await self.exchange.close()
+
+
+async def serve_request(
+    rt: RouterRuntime,
+    request: Request,
+    body: ChatCompletionRequest | CompletionRequest,
+    path: str,
+) -> Response:
+    rid = request_id_of(request)
+    request.state.request_id = rid
+    op = operation_for_path(path)
+    tracer = rt.tracer
+    root = tracer.start_span(
+        span_name(op, body.model), context=extract_context(request.headers), kind=SpanKind.SERVER
+    )
+    set_request_attributes(root, operation=op, model=body.model, max_tokens=body.output_cap)
+    root.set_attribute("cp.request_id", rid)
+    try:
+        with trace.use_span(root, end_on_exit=False), tracer.start_as_current_span("route") as sp:
+            session = body.user or request.headers.get("x-session-id")
+            req = await rt.core.build(body, request_id=rid, tenant="default", session=session)
+            routed = await rt.core.route(req)
+            for span in (sp, root):
+                _decision_attributes(span, routed)
+    except BaseException as exc:
+        root.set_attribute("error.type", type(exc).__name__)
+        root.end()
+        raise
+    keep_usage = bool(body.stream_options and body.stream_options.include_usage)
+    ex = Exchange(rt, routed, body.stream, keep_usage)
+    ex.spans = (
+        tracer.start_span(
+            "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT
+        ),
+        root,
+    )
+    _decision_attributes(ex.spans[0], routed)
+    headers = {"content-type": "application/json", "x-request-id": rid}
+    inject_headers(headers, trace.set_span_in_context(ex.spans[0]))
+    try:
+        up = await race_disconnect(request, ex.open(path, upstream_payload(body, rt), headers))
+        out_headers = {"x-request-id": rid, **rt.decision_header(routed)}
+        if up.response.status_code >= 400:
+            await ex.close(str(up.response.status_code))
+            return Response(
+                up.first,
+                status_code=up.response.status_code,
+                media_type=up.response.headers.get("content-type", "application/json"),
+                headers=out_headers,
+            )
+        if body.stream:
+            return RelayResponse(ex, out_headers)
+        data = await race_disconnect(request, _read_rest(rt, ex, up))
+        ex.usage = _usage_of(data)
+        ex.last_at = time.monotonic()
+        await ex.close("200")
+        return Response(data, media_type="application/json", headers=out_headers)
+    except ClientGone:
+        await ex.close("client_closed")
+        rt.metrics.client_disconnects.inc()
+        return Response(status_code=499)
+    except BaseException as exc:
+        status = str(getattr(exc, "status_code", 500))
+        await ex.close(status)
+        raise
+
+
+def _decision_attributes(span: Span, routed: Routed) -> None:
+    set_decision_attributes(
+        span,
+        arm=routed.arm.name,
+        policy=routed.arm.policy,
+        reason=routed.decision.reason,
+        replica=routed.replica_id,
+        predicted_hit_blocks=routed.decision.expected_hit_blocks,
+    )
+
+
+async def _read_rest(rt: RouterRuntime, ex: Exchange, up: Upstream) -> bytes:
+    parts = [up.first]
+    async for chunk in rt.proxy.rest(up):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _usage_of(data: bytes) -> Usage | None:
+    try:
+        return Usage.of(json.loads(data))
+    except ValueError:
+        return None
+
+
+__all__ = ["Callable", "ClientGone", "RelayResponse", "race_disconnect", "serve_request"]

@@ -1,0 +1,193 @@
+"""Everything one router process runs, built from `RouterSettings` and closed in reverse order.
+
+fleet    LiveFleet: probes, scrapes, passive ejection, admin changes
+index    in-memory, or the shared Redis index
+events   EventIndexer over the replicas that publish KV events (when `redis.ingest_events`
+         or no Redis: a process-local index has no other source)
+core     RouterCore: tokenize, hash, look up, decide, reserve
+proxy    Proxy: upstream calls, retries, streaming deadlines
+metrics  RouterMetrics (its own registry)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import httpx
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from controlplane.kvevents.config import ReplicaSource
+from controlplane.kvevents.service import EventIndexer
+from router.config import ReplicaConfig, RouterSettings
+from router.core import Routed, RouterCore
+from router.fleet import LiveFleet
+from router.index import RouterIndex, open_index
+from router.ledger import RouterLedger
+from router.proxy import Proxy, Usage
+from router.telemetry import RouterMetrics, decision_header_value
+from router.tokenizer import router_tokenizer
+from router.tracing import TRACER_NAME
+
+log = logging.getLogger("controlplane.router")
+
+
+class RouterRuntime:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        *,
+        metrics: RouterMetrics | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        tracer_provider: TracerProvider | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics or RouterMetrics()
+        # the process's global provider unless one is given (tests)
+        self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
+        self.ledger = RouterLedger()
+        self.fleet = LiveFleet(settings, ledger=self.ledger, transport=transport)
+        self.index: RouterIndex = open_index(settings.redis)
+        self.tokenizer = router_tokenizer(settings.tokenizer, self.fleet, settings.served_model)
+        self.core = RouterCore(
+            settings,
+            self.fleet,
+            self.index,
+            self.tokenizer,
+            self.metrics,
+            ledger=self.ledger,
+        )
+        t = settings.timeouts
+        self.proxy = Proxy(
+            self.fleet, ttft_s=t.ttft_s, idle_s=t.idle_s, retry_budget=t.retry_budget
+        )
+        self.events: dict[str, EventIndexer] = {}
+        self.fleet.on_restart(self._restarted)
+        self.started_s = time.monotonic()
+        self.started_wall_s = time.time()
+
+    @property
+    def ingests_events(self) -> bool:
+        return self.index.kind == "memory" or self.settings.redis.ingest_events
+
+    def _follow(self, r: ReplicaConfig) -> None:
+        if not (r.kv_events and self.ingests_events) or r.id in self.events:
+            return
+        src = ReplicaSource(
+            replica_id=r.id,
+            events=r.kv_events,
+            replay=r.kv_replay,
+            topic=r.kv_topic,
+            model=self.settings.served_model,
+            block_size=r.block_size,
+        )
+        secret = os.environ.get(self.settings.hash_secret_env, "").encode()
+        follower = EventIndexer([src], self.index.events_sink, secret=secret)
+        follower.start()
+        self.events[r.id] = follower
+
+    def _restarted(self, replica_id: str) -> None:
+        if replica_id in self.events:
+            return  # its event follower sees the restart (sequence going back) and purges
+        self.core._spawn(self.index.clear(replica_id))
+
+    async def start(self) -> None:
+        await self.fleet.start()
+        await self.fleet.refresh()
+        for r in self.settings.replicas:
+            self._follow(r)
+
+    def add_replica(self, cfg: ReplicaConfig) -> None:
+        self.fleet.add(cfg)
+        self._follow(cfg)
+
+    async def remove_replica(self, replica_id: str) -> None:
+        await self.fleet.remove(replica_id)
+        follower = self.events.pop(replica_id, None)
+        if follower is not None:
+            await follower.close()
+        self.ledger.drop_replica(replica_id)
+        await self.index.clear(replica_id)
+
+    def degraded_reasons(self) -> list[str]:
+        reasons = []
+        if self.fleet.ready_count() == 0:
+            reasons.append("no ready replica")
+        idx = self.index.degraded_reason
+        if idx:
+            reasons.append(idx)
+        return reasons
+
+    # -- per-request telemetry ----------------------------------------------------------------
+    def record(
+        self,
+        routed: Routed,
+        status: str,
+        usage: Usage | None,
+        first_at: float | None,
+        last_at: float | None,
+    ) -> None:
+        """Metrics and the access log line of one finished request."""
+        m, arm, policy = self.metrics, routed.arm.name, routed.arm.policy
+        m.requests.labels(arm, policy, str(routed.decision.reason), status).inc()
+        now = time.monotonic()
+        m.e2e.labels(arm, policy).observe(now - routed.started_s)
+        if first_at is not None:
+            m.ttft.labels(arm, policy).observe(first_at - routed.started_s)
+        if usage is not None:
+            m.prompt_tokens.labels(arm, policy).inc(usage.prompt_tokens)
+            m.engine_cached_tokens.labels(arm, policy).inc(usage.cached_tokens)
+            m.predicted_hit_tokens.labels(arm, policy).inc(
+                min(usage.prompt_tokens, routed.predicted_hit_tokens)
+            )
+            if first_at is not None and last_at is not None and usage.completion_tokens > 1:
+                m.tpot.labels(arm, policy).observe(
+                    (last_at - first_at) / (usage.completion_tokens - 1)
+                )
+        log.info(
+            "request finished",
+            extra={
+                "request_id": routed.request_id,
+                "arm": arm,
+                "policy": policy,
+                "replica": routed.replica_id,
+                "reason": str(routed.decision.reason),
+                "status": status,
+                "lookup": routed.lookup,
+                "prompt_tokens": routed.request.prompt_tokens,
+                "predicted_hit_tokens": routed.predicted_hit_tokens,
+                "retried": len(routed.tried) > 1,
+            },
+        )
+
+    def decision_header(self, routed: Routed) -> dict[str, str]:
+        if not self.settings.telemetry.decision_header:
+            return {}
+        value = decision_header_value(
+            routed.arm.name,
+            routed.replica_id,
+            str(routed.decision.reason),
+            routed.predicted_hit_tokens,
+        )
+        return {"x-cp-decision": value}
+
+    def refresh_gauges(self) -> None:
+        """Values read from other components at scrape time."""
+        m = self.metrics
+        for rep in self.fleet.replicas():
+            m.set_engine_prefix(rep.replica_id, rep.prefix_hits, rep.prefix_queries)
+        m.inflight.set(len(self.ledger))
+        for follower in self.events.values():
+            for row in follower.status():
+                m.sync_kv_events(row.replica_id, row.batches, row.lost)
+
+    async def aclose(self) -> None:
+        for follower in self.events.values():
+            await follower.close()
+        self.events.clear()
+        await self.core.aclose()
+        await self.fleet.aclose()
+        await self.tokenizer.aclose()
+        await self.index.aclose()
