@@ -30,7 +30,9 @@ from router.config import ReplicaConfig
 from router.health import Liveness, ReplicaHealth, restart_signal
 
 # the proxy streams many requests at once to one replica: no pool cap, a warm keep-alive set
-POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+# idle connections are dropped after 2 s: servers (uvicorn, so vLLM) close theirs after 5 s, and
+# a request written on a connection the server is closing fails as a reset that cannot be retried
+POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
 
 
 def build_profile(

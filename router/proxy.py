@@ -41,6 +41,9 @@ class RetryBudget:
     def deposit(self) -> None:
         self.tokens = min(self.cap, self.tokens + self.ratio)
 
+    def available(self) -> bool:
+        return self.tokens >= 1.0
+
     def spend(self) -> bool:
         if self.tokens >= 1.0:
             self.tokens -= 1.0

@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from controlplane.errors import NoReadyReplicaError, UpstreamError
 from router.core import Routed
+from router.logs import request_context
 from router.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
 from router.proxy import NotAccepted, SSEFilter, Upstream, Usage
 from router.runtime import RouterRuntime
@@ -116,12 +117,12 @@ class Exchange:
             try:
                 up = await proxy.open(self.routed.replica_id, path, payload, headers)
             except NotAccepted as exc:
-                if len(self.routed.tried) > 1 or not proxy.budget.spend():
-                    raise UpstreamError(
-                        f"replica {self.routed.replica_id} refused the request ({exc.kind})"
-                    ) from None
+                refused = f"replica {self.routed.replica_id} refused the request ({exc.kind})"
+                if len(self.routed.tried) > 1 or not proxy.budget.available():
+                    raise _refusal(exc.kind, refused) from None
                 if await core.reroute(self.routed) is None:
-                    raise NoReadyReplicaError("no other replica to retry on") from None
+                    raise _refusal(exc.kind, f"{refused}; no other replica to retry on") from None
+                proxy.budget.spend()
                 self.rt.metrics.retries.labels(exc.kind).inc()
                 continue
             self.up = up
@@ -177,6 +178,11 @@ class Exchange:
             span.end()
 
 
+def _refusal(kind: str, message: str) -> Exception:
+    """Every replica tried refused: 503 when they were busy (their own 503), else 502."""
+    return NoReadyReplicaError(message) if kind == "503" else UpstreamError(message)
+
+
 class RelayResponse(StreamingResponse):
     """A streaming response that closes its exchange however the stream ends (even when the
     client left before it started)."""
@@ -208,6 +214,8 @@ async def serve_request(
 ) -> Response:
     rid = request_id_of(request)
     request.state.request_id = rid
+    # every log line of this request's task carries its id (each request runs in its own task)
+    request_context.set({**request_context.get(), "request_id": rid})
     op = operation_for_path(path)
     tracer = rt.tracer
     root = tracer.start_span(
