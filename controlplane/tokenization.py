@@ -193,8 +193,8 @@ class ChatTemplate:
         try:
             rendered = self._template.render(
                 messages=msgs,
-                tools=list(tools) if tools else None,
-                documents=list(documents) if documents else None,
+                tools=_items(tools, "tools"),
+                documents=_items(documents, "documents"),
                 add_generation_prompt=add_generation_prompt,
                 **context,
             )
@@ -215,6 +215,35 @@ class ChatTemplate:
             else:
                 rendered = rendered[: loc + len(final.strip())]
         return rendered
+
+
+def _items(value: Any, name: str) -> list[Any] | None:
+    if not value:
+        return None
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TokenizationError(f"{name} must be a list")
+    return list(value)
+
+
+def template_options(
+    *,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: Sequence[Mapping[str, Any]] | None,
+    chat_template_kwargs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The keyword arguments of `ChatTemplate.render` for one request: as vLLM merges them, the
+    request's `chat_template_kwargs` win over its add_generation_prompt, continue_final_message
+    and tools; they cannot replace the messages."""
+    options: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+        "tools": tools,
+    }
+    options.update(chat_template_kwargs or {})
+    if "messages" in options:
+        raise TokenizationError("chat_template_kwargs cannot set messages")
+    return options
 
 
 def _token_content(value: Any) -> str | None:
@@ -327,13 +356,13 @@ class LocalTokenizer:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        return self.chat_template.render(
-            messages,
+        options = template_options(
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
-            **dict(chat_template_kwargs or {}),
+            chat_template_kwargs=chat_template_kwargs,
         )
+        return self.chat_template.render(messages, **options)
 
     def encode_chat(
         self,
@@ -358,7 +387,12 @@ class LocalTokenizer:
         self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
     ) -> Tokenized:
         if not isinstance(prompt, str):
-            return _as_ids(prompt)
+            tok = _as_ids(prompt)
+            if tok.token_ids and max(tok.token_ids) >= self.vocab_size:
+                raise TokenizationError(
+                    f"token id {max(tok.token_ids)} is out of vocabulary ({self.vocab_size} ids)"
+                )
+            return tok
         ids = self.encode(prompt, add_special_tokens=add_special_tokens)
         return Tokenized(tuple(ids), exact=True, prompt_text=prompt)
 

@@ -123,7 +123,7 @@ class LimitsConfig(_Section):
         default=None, ge=1, description="max_tokens injected when a request gives none."
     )
     body_timeout_s: float = Field(
-        default=30.0, gt=0, description="Time to receive a whole request body (408 beyond)."
+        default=60.0, gt=0, description="Time to receive a whole request body (408 beyond)."
     )
 
 

@@ -20,7 +20,7 @@ from router.openai_api import error_body
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.timeout_s = timeout_s

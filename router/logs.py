@@ -129,6 +129,8 @@ def configure_logging(json_logs: bool, level: str, stream: TextIO | None = None)
     handler.setFormatter(JsonFormatter() if json_logs else TextFormatter())
     root.addHandler(handler)
     root.setLevel(numeric)
+    # a line per probe and scrape of every replica is noise: the router logs what matters
+    logging.getLogger("httpx").setLevel(max(numeric, logging.WARNING))
 
 
 __all__ = [

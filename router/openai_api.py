@@ -6,9 +6,17 @@ parameters, vLLM extensions such as `cache_salt`, `priority`, `chat_template_kwa
 through to the replica untouched, which validates it as it always does. The models are
 FastAPI's request bodies, so they are the router's OpenAPI schema too.
 
+What the router reads is typed strictly, as OpenAI does (`"stream": "true"` or `max_tokens: 5.0`
+are refused, not coerced); token ids are u32 (a local tokenizer also checks its vocabulary);
+empty prompts are refused. Whatever the router could not forward as valid JSON is refused
+whichever field holds it: lone UTF-16 surrogates, NaN and Infinity, nesting deeper than
+pydantic serializes.
+
 Errors: `{"error": {"message", "type", "param", "code"}}` with the status of the
 `ControlPlaneError` subclass (`controlplane/errors.py`); FastAPI's validation errors become 400
-`invalid_request_error` naming the first bad field, as OpenAI answers.
+`invalid_request_error` naming the first bad field, as OpenAI answers (415 for a body that is not
+JSON by its content type). Error texts are made UTF-8 safe (a lone surrogate in a bad value is
+escaped, never a 500 while rendering the refusal).
 """
 
 from __future__ import annotations
@@ -79,7 +87,8 @@ class _Common(BaseModel):
 
     model: str = Field(min_length=1, max_length=512, description="The served model's name.")
     max_tokens: int | None = Field(default=None, ge=1, strict=True, description="Output token cap.")
-    stream: bool = Field(default=False, strict=True)
+    # null is "not streaming", as OpenAI and vLLM read it (clients send it for "unset")
+    stream: bool | None = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     user: str | None = Field(default=None, max_length=512, description="End-user id.")
     n: int = Field(default=1, ge=1, le=16, strict=True)
@@ -207,7 +216,10 @@ def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
         ctx = err.get("ctx") or {}
         pos = [p for p in err.get("loc", ()) if p != "body"]
         where = f" at position {pos[0]}" if pos else ""
-        return f"the request body is not valid JSON: {ctx.get('error', 'decode error')}{where}", None
+        return (
+            f"the request body is not valid JSON: {ctx.get('error', 'decode error')}{where}",
+            None,
+        )
     loc = [str(p) for p in err.get("loc", ()) if p not in ("body",)]
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "string_unicode":  # a lone surrogate in a string (or a key)

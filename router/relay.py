@@ -195,7 +195,9 @@ class RelayResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         except BaseException:
-            if self.exchange.status == "200":
+            # a client that closes as soon as it has `[DONE]` (the OpenAI SDK) was served; Ray
+            # Serve then cancels the response task while it sends the body's end
+            if self.exchange.status == "200" and not self.exchange.sse.done:
                 self.exchange.status = "client_closed"
             raise
         finally:
@@ -235,7 +237,7 @@ async def serve_request(
         root.end()
         raise
     keep_usage = bool(body.stream_options and body.stream_options.include_usage)
-    ex = Exchange(rt, routed, body.stream, keep_usage)
+    ex = Exchange(rt, routed, bool(body.stream), keep_usage)
     ex.spans = (
         tracer.start_span(
             "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT

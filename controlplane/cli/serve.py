@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from pathlib import Path
 from typing import Annotated
@@ -31,8 +30,6 @@ def _run_router(settings: object) -> None:
 
     assert isinstance(settings, RouterSettings)
     configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
-    # one line per probe and scrape of every replica is noise; the router logs what matters
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     setup_tracing(settings.telemetry.otel_exporter)
     uvicorn.run(
         create_app(settings),

@@ -50,7 +50,10 @@ class _Server(uvicorn.Server):
 
 def listen_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the
+    # socket says TCP; without it Nagle + delayed ACKs stall keep-alive SSE streams by 40 ms
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

@@ -36,7 +36,13 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from controlplane.tokenization import ChatTemplate, LocalTokenizer, Message, TokenizationError
+from controlplane.tokenization import (
+    ChatTemplate,
+    LocalTokenizer,
+    Message,
+    TokenizationError,
+    template_options,
+)
 
 BYTE_OFFSET = 3
 BYTE_VOCAB_SIZE = 512
@@ -90,13 +96,13 @@ def _render(
     """Render with `template`, or with a request's own `chat_template` and the same specials."""
     if chat_template:
         template = ChatTemplate(chat_template, template.special_tokens)
-    return template.render(
-        messages,
+    options = template_options(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tools=tools,
-        **dict(chat_template_kwargs or {}),
+        chat_template_kwargs=chat_template_kwargs,
     )
+    return template.render(messages, **options)
 
 
 class ByteTokenizer:
