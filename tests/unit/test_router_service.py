@@ -110,7 +110,13 @@ async def test_usage_reaches_the_client_only_when_asked(
 
 
 async def test_request_fields_pass_through_untouched(svc: Service) -> None:
-    extra: dict[str, Any] = {"temperature": 0.3, "priority": 5, "cache_salt": "s", "max_tokens": 2, "seed": 7}
+    extra: dict[str, Any] = {
+        "temperature": 0.3,
+        "priority": 5,
+        "cache_salt": "s",
+        "max_tokens": 2,
+        "seed": 7,
+    }
     r = await svc.client.post("/v1/chat/completions", json=chat(**extra))
     assert r.status_code == 200
     body = svc.fakes.calls[-1].body
