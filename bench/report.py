@@ -173,8 +173,11 @@ def ablation(data: Any) -> str:
 
 def index(data: Any) -> str:
     rows = [
-        ("lookup p50 / p99, sequential", f"{data['lookup_p50_ms']} / {data['lookup_p99_ms']} ms",
-         "p99 < 2 ms"),
+        (
+            "lookup p50 / p99, sequential",
+            f"{data['lookup_p50_ms']} / {data['lookup_p99_ms']} ms",
+            "p99 < 2 ms",
+        ),
         ("server time per lookup", f"{data['server_us_per_lookup']:.0f} us", ""),
         ("round trips per lookup", data["round_trips_per_lookup"], "1"),
         ("lookups/s, one router process", f"{data['lookups_per_s']:,.0f}", ""),
@@ -213,8 +216,11 @@ def index(data: Any) -> str:
         ("confirmed blocks written/s", f"{data['confirmed_blocks_written_per_s']:,}", ""),
     ]
     return md_table(
-        [f"{data['prompt_tokens']:,}-token prompt, {data['replicas']} replicas", "measured",
-         "target"],
+        [
+            f"{data['prompt_tokens']:,}-token prompt, {data['replicas']} replicas",
+            "measured",
+            "target",
+        ],
         rows,
     )
 
