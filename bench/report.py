@@ -19,7 +19,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
-PLOTS = ("roofline_vidur.png", "routing_ablation.png", "demo_load.png")
+PLOTS = (
+    "roofline_vidur.png",
+    "routing_ablation.png",
+    "demo_load.png",
+    "router_overhead.png",
+    "live_quality.png",
+)
 
 
 def md_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -225,6 +231,109 @@ def index(data: Any) -> str:
     )
 
 
+def router_overhead(data: Any) -> str:
+    at = data["ttft_at_rate_ms"]
+    cpu = data["cpu_ms_per_request"]
+    start = min((r["rate"] for r in data["ramp"]), default=0)
+
+    def max_rps(t: str, value: float | None) -> str:
+        if value is None:
+            return "not measured"
+        if not value:
+            return f"< {start:g}"  # not even the first step
+        return f">= {value:g}" if t in data["max_rps_capped"] else f"{value:g}"  # ramp's top
+
+    rows = []
+    for key, label in (
+        ("direct", "direct to the replicas"),
+        ("router", f"our router (`{data['setup']['our_policy']}`)"),
+        ("vllm_router_round_robin", "vllm-router `round_robin`"),
+        ("vllm_router_cache_aware", "vllm-router `cache_aware`"),
+    ):
+        entry = {
+            "router": data["router"],
+            "vllm_router_cache_aware": data["vllm_router"],
+            "vllm_router_round_robin": data["vllm_router_round_robin"],
+        }.get(key)
+        t = at[key]
+        rows.append(
+            (
+                label,
+                f"{t['ttft_p50_ms']:.2f} / {t['ttft_p99_ms']:.2f}",
+                (
+                    f"{entry['added_ttft_p50_ms']:+.2f} / {entry['added_ttft_p99_ms']:+.2f}"
+                    if entry
+                    else ""
+                ),
+                max_rps(key, entry["max_rps"] if entry else data["direct"]["max_rps"]),
+                f"{cpu[key]['router_process']:.2f}" if "router_process" in cpu[key] else "",
+                t["errors"],
+            )
+        )
+    table = md_table(
+        [
+            f"at {data['rate_rps']:g} streaming req/s",
+            "TTFT p50 / p99 ms",
+            "added p50 / p99 ms",
+            "max sustained req/s",
+            "router CPU ms/req",
+            "errors",
+        ],
+        rows,
+    )
+    met = data["targets_met"]
+    verdict = ", ".join(
+        f"{name} {'met' if met[key] else '**not met**'}"
+        for name, key in (("p50 < 2 ms", "added_ttft_p50"), ("p99 < 10 ms", "added_ttft_p99"))
+    )
+    return (
+        table + f"\n\nTargets for our router: {verdict}. Ceiling: {data['ceiling']}. "
+        f"{data['cores']} cores shared by the client, the routers and the replicas; "
+        f"our router's index: {data['setup']['our_index']}."
+    )
+
+
+def live_quality(data: Any) -> str:
+    rows = []
+    for key, label in (
+        ("prefix_affinity", "our router, `prefix_affinity` (live)"),
+        ("vllm_router_cache_aware", "vllm-router, `cache_aware` (live)"),
+        ("simulated_prediction", "simulator, `prefix_affinity`"),
+        ("simulated_sglang_cache_aware", "simulator, `sglang_cache_aware`"),
+        ("simulated_round_robin", "simulator, `round_robin` (reference)"),
+    ):
+        r = data[key]
+        rows.append(
+            (
+                label,
+                f"{r['engine_prefix_hit_rate']:.1%}",
+                f"{r['ttft_p50_s'] * 1e3:.1f}",
+                f"{r['ttft_p99_s'] * 1e3:.1f}",
+                r["errors"],
+            )
+        )
+    w = data["workload"]
+    table = md_table(
+        ["run", "engine prefix-cache hit rate", "TTFT p50 ms", "TTFT p99 ms", "errors"], rows
+    )
+    text = (
+        table
+        + f"\n\n{w['requests']} requests at {w['rate_rps']:g} req/s, {w['groups']} documents, "
+        f"prompts of {w['prompt_tokens_mean']:.0f} tokens on average, {w['max_tokens']} output "
+        f"tokens, 2 replicas x {w['kv_blocks']} blocks of {w['block_size']} tokens; our router's "
+        f"index: {w['our_index']}. Pooled-cache ceiling: "
+        f"**{data['pooled_prefix_hit_rate']:.1%}**."
+    )
+    d = data["prefix_affinity"].get("decisions", {})
+    if d.get("tokens:prompt"):
+        text += (
+            f" Our router expected the replicas it chose to hold "
+            f"{d['tokens:predicted_hit'] / d['tokens:prompt']:.1%} of the prompt tokens; they "
+            f"reported {d['tokens:engine_cached'] / d['tokens:prompt']:.1%} cached."
+        )
+    return text
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "roofline": ("roofline_fidelity.json", roofline),
     "exact_ceiling": ("sim_fidelity.json", exact_ceiling),
@@ -234,6 +343,8 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "demo": ("routing_quality.json", demo),
     "ablation": ("routing_quality.json", ablation),
     "index": ("index.json", index),
+    "router_overhead": ("router_overhead.json", router_overhead),
+    "live_quality": ("live_quality.json", live_quality),
 }
 
 

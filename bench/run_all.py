@@ -15,6 +15,8 @@ BENCHES = (
     "sim_speed.py",
     "routing_quality.py",
     "index_bench.py",
+    "router_overhead.py",
+    "live_quality.py",
 )
 
 
