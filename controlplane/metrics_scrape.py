@@ -114,9 +114,42 @@ def _str_label(labels: Mapping[str, str], name: str) -> str | None:
     return None if value in (None, "", "None") else value
 
 
+_FAMILIES = tuple(
+    name.removesuffix("_total")
+    for name in (
+        RUNNING,
+        WAITING,
+        *KV_USAGE,
+        *PREFIX_QUERIES,
+        *PREFIX_HITS,
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        PREEMPTIONS,
+        REQUEST_SUCCESS,
+        CACHE_CONFIG_INFO,
+    )
+)
+
+
+def _relevant(text: str) -> str:
+    """Only the lines of the families read here (with their HELP/TYPE lines). A vLLM page has
+    hundreds of histogram lines the router never reads, and the parser's cost is per line: the
+    router scrapes every replica several times a second on its event loop."""
+    keep = []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            parts = line.split(" ", 3)
+            if len(parts) >= 3 and parts[2].startswith(_FAMILIES):
+                keep.append(line)
+        elif line.startswith(_FAMILIES):
+            keep.append(line)
+    keep.append("")
+    return "\n".join(keep)
+
+
 def _samples(text: str) -> Iterable[Sample]:
     try:
-        for family in text_string_to_metric_families(text):
+        for family in text_string_to_metric_families(_relevant(text)):
             yield from family.samples
     except ValueError as exc:
         raise MetricsScrapeError(f"not a Prometheus text exposition: {exc}") from exc

@@ -2,7 +2,7 @@
 
     lookup(hashes, replicas) -> {replica: PrefixMatch} | None      None = unknown (route on load)
     speculate(replica, hashes, ttl)   at routing time, before the request is sent
-    retract(replica, hashes, grace)   at the first token (in-memory only: Redis entries expire)
+    retract(replica, hashes, grace)   at the first token: speculation ends after `grace`
     clear(replica)                    a replica restarted or was removed
 
 In-memory (no Redis configured): the process-local index, fed by this router's own KV-event
@@ -96,7 +96,7 @@ class RedisRouterIndex(RouterIndex):
         await self.redis.speculate(replica_id, ANY_INCARNATION, hashes, ttl_s)
 
     async def retract(self, replica_id: str, hashes: Sequence[int], grace_s: float) -> None:
-        return None  # speculative entries in Redis end with their (short) TTL
+        await self.redis.retract(replica_id, ANY_INCARNATION, hashes, grace_s)
 
     async def clear(self, replica_id: str) -> None:
         await self.redis.clear(replica_id)

@@ -132,7 +132,7 @@ def _redacted(url: str) -> str:
 class _Op:
     """One queued write: a script call's arguments after the (prefix, now) pair."""
 
-    kind: str  # 's' stored, 'r' removed, 'p' speculate, 'c' clear
+    kind: str  # 's' stored, 'r' removed, 'p' speculate, 'x' retract, 'c' clear
     replica: str
     incarnation: str
     blob: bytes
@@ -378,6 +378,17 @@ class RedisPrefixIndex:
         ttl_ms = min(self.entry_ttl_ms, max(1, round(ttl_s * 1000)))
         inc = encode_incarnation(incarnation)
         self._enqueue(_Op("p", replica_id, inc, chain_blob(hashes), ttl_ms, self._now_arg()))
+
+    async def retract(
+        self, replica_id: str, incarnation: int, hashes: Sequence[int], grace_s: float
+    ) -> None:
+        """The chain was computed (the request's first token): its speculative entries expire
+        within `grace_s`, so a speculative claim never outlives an eviction by more than that."""
+        if not hashes:
+            return
+        ms = max(1, round(grace_s * 1000))
+        inc = encode_incarnation(incarnation)
+        self._enqueue(_Op("x", replica_id, inc, chain_blob(hashes), ms, self._now_arg()))
 
     async def clear(self, replica_id: str) -> None:
         """Forget the replica's entries (all incarnations). If the clear cannot be queued or

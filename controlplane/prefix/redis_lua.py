@@ -123,7 +123,8 @@ return table.concat(out, ',')
 # ARGV: prefix, now, op, replica, incarnation (16 hex, ordered; '' = the stored one), chain,
 # entry ttl ms, speculative ttl ms, per-replica cap, work budget (entries trimmed or evicted per
 # call at most).
-# op: 's' stored, 'r' removed, 'p' speculate, 'c' clear (all incarnations).
+# op: 's' stored, 'r' removed, 'p' speculate, 'x' retract speculation (expire within the
+# speculative ttl), 'c' clear (all incarnations).
 # Returns {status, evicted}: status 1 applied, 0 older incarnation (ignored), 2 applied after
 # dropping an older incarnation's entries; evicted = entries dropped by the per-replica cap.
 WRITE = (
@@ -238,6 +239,15 @@ elseif op == 'p' then
 elseif op == 'r' then
   redis.call('SREM', CK, unpack(members))
   redis.call('ZREM', TK, unpack(members))
+elseif op == 'x' then
+  -- retract: the chain was computed (first token); its speculative entries end within the grace
+  -- period (sttl), after which KV events alone speak for these blocks
+  local za = {}
+  for i = 1, n do
+    za[2 * i - 1] = now + sttl
+    za[2 * i] = members[i]
+  end
+  redis.call('ZADD', SK, 'XX', 'LT', unpack(za))
 end
 return {status, evicted}
 """

@@ -188,6 +188,26 @@ async def test_speculative_expiry_follows_the_clock(make_index: Factory) -> None
     assert await index.lookup(Q, [("r0", 1)]) == {}
 
 
+async def test_retract_ends_speculation_after_the_grace(make_index: Factory) -> None:
+    clock = FakeClock()
+    index = make_index(clock_override_ms=clock)
+    await index.record_stored("r0", 1, Q[:2])
+    await index.speculate("r0", 1, Q[:6], 30.0)
+    await index.speculate("r1", 1, Q[:6], 30.0)
+    await index.retract("r0", 1, Q[:6], 0.5)  # r0 computed the chain: events speak from now on
+    await index.retract("r0", 1, Q[6:9], 0.5)  # blocks never speculated stay absent
+    assert await index.flush()
+    assert await index.lookup(Q, [("r0", 1)]) == {"r0": PrefixMatch("r0", 6, 2)}
+    clock.ms += 500
+    assert await index.lookup(Q, [("r0", 1), ("r1", 1)]) == {
+        "r0": PrefixMatch("r0", 2, 2),  # only what KV events confirmed
+        "r1": PrefixMatch("r1", 6, 0),  # another replica's claim is untouched
+    }
+    await index.speculate("r0", 1, Q[:4], 30.0)  # a later claim is not shortened
+    assert await index.flush()
+    assert await index.lookup(Q, [("r0", 1)]) == {"r0": PrefixMatch("r0", 4, 2)}
+
+
 async def test_new_incarnation_purges_and_old_writes_are_ignored(
     make_index: Factory, redis_admin: redis.Redis
 ) -> None:
