@@ -25,6 +25,7 @@ PLOTS = (
     "demo_load.png",
     "router_overhead.png",
     "live_quality.png",
+    "fairness.png",
 )
 
 
@@ -334,6 +335,72 @@ def live_quality(data: Any) -> str:
     return text
 
 
+def fairness(data: Any) -> str:
+    """Section 10: the long-document scenario and the batch flood (fairness_bench.py)."""
+    if "long_documents" not in data:
+        return "Not measured: run `bench/fairness_bench.py`."
+    docs, flood = data["long_documents"], data["batch_flood"]
+    rows = []
+    for name, run in docs["runs"].items():
+        for t in ("A", "B"):
+            d = run["tenants"][t]
+            rows.append(
+                (
+                    name if t == "A" else "",
+                    t,
+                    f"{d['weight']:g}",
+                    f"{d['work_share']:.1%} ({d['target_share']:.0%})",
+                    f"{d['dispatched_share']:.1%}",
+                    f"{d['ttft_p99_s']:.2f}",
+                    f"{d['tpot_p99_s'] * 1e3:.0f}",
+                    f"{run['jain_index']:.3f}" if t == "A" else "",
+                )
+            )
+    head = ["run", "tenant", "weight", "GPU work (weight)", "dispatched"]
+    table1 = md_table([*head, "TTFT p99 s", "TPOT p99 ms", "Jain"], rows)
+    vr, lt = docs["vtc_roofline"], docs["b_within_share"]
+    alone = flood["interactive_alone"]
+    frows = [("interactive alone", f"{alone['tpot_p99_s'] * 1e3:.1f}", "1.00x", "", "")]
+    for name, r in flood["runs"].items():
+        frows.append(
+            (
+                f"+ batch, {name}",
+                f"{r['interactive']['tpot_p99_s'] * 1e3:.1f}",
+                f"{r['tpot_p99_ratio']:.2f}x",
+                f"{r['batch_output_tokens_per_s']:,.0f}",
+                f"{r['batch']['queue_p99_s']:.0f}",
+            )
+        )
+    table2 = md_table(
+        ["run", "interactive TPOT p99 ms", "vs alone", "batch out tok/s", "batch queue p99 s"],
+        frows,
+    )
+    met = ", ".join(
+        f"{k.replace('_', ' ')}: {'met' if v else '**not met**'}"
+        for k, v in docs["targets"].items()
+    )
+    b = (
+        f"B alone on the fleet: TTFT p99 {vr['B_alone_ttft_p99_s'] * 1e3:.0f} ms; with A "
+        f"under `vtc-roofline` {vr['B_ttft_p99_s']:.1f} s "
+        f"(**{vr['B_ttft_p99_ratio_vs_alone']:.0f}x**)."
+    )
+    light = (
+        f"B at {lt['chat_rate']:g} chats/s, inside its share ({lt['B_share']:.0%} of the work): "
+        f"TTFT p99 {lt['B_ttft_p99_s'] * 1e3:.0f} ms vs {lt['B_alone_ttft_p99_s'] * 1e3:.0f} ms "
+        f"alone (**{lt['B_ttft_p99_ratio_vs_alone']:.0f}x**; router queue p99 "
+        f"{lt['B_queue_p99_s'] * 1e3:.0f} ms), TPOT p99 {lt['B_tpot_p99_s'] * 1e3:.0f} vs "
+        f"{lt['B_alone_tpot_p99_s'] * 1e3:.0f} ms."
+    )
+    cap = (
+        f"Batch KV cap: {flood['batch_kv_share']:.1%} of each replica's KV, sized for "
+        f"interactive TPOT p99 <= {flood['scenario']['slowdown_target']}x alone. With it, "
+        f"interactive TPOT p99 is **{flood['tpot_p99_ratio_with_cap']:.2f}x** alone; without "
+        f"it, **{flood['tpot_p99_ratio_without_cap']:.2f}x**. Bench wall time "
+        f"{data.get('fairness_wall_seconds', 0):.0f} s."
+    )
+    return f"{table1}\n\n{b} {light} Targets: {met}.\n\n{table2}\n\n{cap}"
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "roofline": ("roofline_fidelity.json", roofline),
     "exact_ceiling": ("sim_fidelity.json", exact_ceiling),
@@ -345,6 +412,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "index": ("index.json", index),
     "router_overhead": ("router_overhead.json", router_overhead),
     "live_quality": ("live_quality.json", live_quality),
+    "fairness": ("fairness.json", fairness),
 }
 
 

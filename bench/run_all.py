@@ -17,6 +17,9 @@ BENCHES = (
     "index_bench.py",
     "router_overhead.py",
     "live_quality.py",
+    "quota_bench.py",
+    # after quota_bench: both write out/bench/fairness.json, this one merges into it
+    "fairness_bench.py",
 )
 
 

@@ -8,10 +8,12 @@
     │   ├── BodyTooLargeError  413: the body exceeds the configured limit
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
+    │   ├── QuotaExceededError 429: no room in the tenant's token quota (Retry-After)
     │   └── NotFoundError      404: an unknown resource (replica, route)
     │       └── UnknownReplicaError  a replica id the fleet does not know
     ├── CapacityError          nothing can serve the request now (maps to 503)
-    │   └── NoReadyReplicaError
+    │   ├── NoReadyReplicaError
+    │   └── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
     └── UpstreamError          the chosen replica failed the request (502)
         └── UpstreamTimeoutError  no answer within the deadline (504)
 
@@ -24,6 +26,10 @@ from __future__ import annotations
 
 class ControlPlaneError(Exception):
     """Base of every error this project raises on purpose."""
+
+    def response_headers(self) -> dict[str, str]:
+        """Extra HTTP headers of the error response (e.g. Retry-After)."""
+        return {}
 
 
 class ConfigError(ControlPlaneError, ValueError):
@@ -62,6 +68,25 @@ class AuthError(RequestError):
     status_code = 401
 
 
+class QuotaExceededError(RequestError):
+    """The tenant's token quota cannot take this request now: OpenAI's 429, with `Retry-After`
+    and the `x-ratelimit-*-tokens` headers (built by `controlplane.tenancy.quota`)."""
+
+    status_code = 429
+    openai_code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, reason: str, retry_after_s: float, headers: dict[str, str]
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.headers = dict(headers)
+
+    def response_headers(self) -> dict[str, str]:
+        return dict(self.headers)
+
+
 class NotFoundError(RequestError):
     """An unknown resource."""
 
@@ -82,6 +107,12 @@ class CapacityError(ControlPlaneError):
 
 class NoReadyReplicaError(CapacityError):
     """Every replica is loading, draining, ejected or dead."""
+
+
+class QuotaUnavailableError(CapacityError):
+    """A hard quota cannot be checked (its store is unreachable): refuse rather than overshoot."""
+
+    reason = "store_down"
 
 
 class UpstreamError(ControlPlaneError):

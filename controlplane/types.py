@@ -65,6 +65,8 @@ class RoutingRequest:
     arrival_s: float = 0.0
     # block size the hashes were computed at (the engine's)
     block_size: int = 16
+    # the vLLM cache_salt the router sends (the hashes' scope); None: the body's own, untouched
+    cache_salt: str | None = None
 
     def __repr__(self) -> str:
         return (

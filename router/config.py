@@ -14,6 +14,7 @@ conversation always sees one arm).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -127,6 +128,63 @@ class LimitsConfig(_Section):
     )
 
 
+_TENANT_ID = r"^[A-Za-z0-9._:-]{1,64}$"
+_SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+class TenantConfig(_Section):
+    id: str = Field(
+        pattern=_TENANT_ID, description="Tenant id (metric label, quota and fairness key)."
+    )
+    api_key_sha256: list[str] = Field(
+        default_factory=list,
+        description="Lower-case hex SHA-256 digests of the tenant's API keys (`controlplane "
+        "tenant key` makes a key and its digest); keys themselves are never stored.",
+    )
+    weight: float = Field(default=1.0, gt=0, description="Share of GPU work when backlogged.")
+    priority: Literal["interactive", "batch"] = Field(
+        default="interactive", description="Priority class: interactive is dispatched first."
+    )
+    quota_tokens: int | None = Field(
+        default=None, ge=1, description="Tokens (prompt + output) per window; None: no quota."
+    )
+    quota_window_s: float = Field(default=60.0, gt=0, description="Quota window in seconds.")
+    quota_mode: Literal["hard", "soft"] = Field(
+        default="hard",
+        description="hard: fail closed (503) when the quota store is unreachable; soft: admit "
+        "at most this router's share.",
+    )
+    max_queued: int = Field(
+        default=256, ge=1, description="Requests of this tenant waiting in the router at most."
+    )
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _digests(cls, v: list[str]) -> list[str]:
+        bad = [d for d in v if not re.fullmatch(_SHA256_HEX, d)]
+        if bad:
+            raise ValueError("api_key_sha256 entries must be 64 lower-case hex characters")
+        if len(v) != len(set(v)):
+            raise ValueError("api_key_sha256 entries must be unique")
+        return v
+
+
+class PublicPrefixConfig(_Section):
+    name: str = Field(pattern=_TENANT_ID, description="Name of the shared prefix (its salt).")
+    tokens_sha256: str = Field(
+        pattern=_SHA256_HEX,
+        description="SHA-256 of the prefix's token ids as little-endian u32 (`controlplane "
+        "tenant prefix` computes it).",
+    )
+    num_tokens: int = Field(ge=1, description="Length of the prefix in tokens.")
+    tenants: list[str] = Field(
+        default_factory=list,
+        description="Tenants that share it (empty: every tenant). A request whose prompt "
+        "starts with it is sent with the prefix's public salt: the whole request, its private "
+        "continuation included, then shares one cache scope with these tenants.",
+    )
+
+
 class TimeoutsConfig(_Section):
     connect_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica.")
     ttft_s: float = Field(
@@ -165,6 +223,73 @@ class HealthConfig(_Section):
         "replica admitted this long since its last ejection starts again at eject_s.",
     )
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="One /metrics scrape's timeout.")
+
+
+class FairnessConfig(_Section):
+    mode: Literal["off", "request", "vtc", "vtc-roofline"] = Field(
+        default="vtc-roofline",
+        description="How the router's queue orders tenants: off (no queue: every request is "
+        "sent at once), request (FIFO across tenants), vtc (virtual token counters, tokens), "
+        "vtc-roofline (counters in roofline work units: decode cost grows with context).",
+    )
+    max_queued_total: int = Field(
+        default=4096, ge=1, description="Requests waiting in the router at most (503 beyond)."
+    )
+    batch_kv_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Share of each replica's KV the batch class may hold (its prompt + "
+        "max_tokens reserved).",
+    )
+    slots_per_replica: int | None = Field(
+        default=None,
+        ge=1,
+        description="Concurrent requests per replica; None: the lowest of the roofline's three "
+        "concurrency ceilings.",
+    )
+    mean_context_tokens: int = Field(
+        default=2048, ge=1, description="Context assumed per sequence for the KV ceiling."
+    )
+
+
+class QuotaConfig(_Section):
+    window: Literal["fixed", "sliding"] = Field(
+        default="fixed",
+        description="Token quota windows: fixed (calendar windows of quota_window_s, all reset at "
+        "the boundary) or sliding (the last quota_window_s seconds).",
+    )
+    key_prefix: str = Field(default="cp:quota", description="Redis key prefix of the quotas.")
+    default_max_tokens: int = Field(
+        default=1024,
+        ge=1,
+        description="max_tokens injected into a quota tenant's request that gives none (lowered "
+        "to what the window has room for), so no request spends more than it reserved.",
+    )
+    unknown_usage: Literal["reserved", "streamed"] = Field(
+        default="reserved",
+        description="What a request whose usage the replica never reported (client left, replica "
+        "died) is charged: the whole reservation (an upper bound: the hard bound holds), or the "
+        "prompt plus the tokens relayed (may undercount the engine's work).",
+    )
+    reservation_ttl_s: float = Field(
+        default=900.0,
+        gt=0,
+        description="An unsettled reservation expires (charged in full) after this; keep it "
+        "above timeouts.total_s.",
+    )
+    timeout_ms: float = Field(
+        default=250.0, gt=0, description="Budget of one Redis reservation (then: unreachable)."
+    )
+    heartbeat_s: float = Field(
+        default=2.0, gt=0, description="Router heartbeat period (live routers: soft shares)."
+    )
+    expected_routers: int = Field(
+        default=1,
+        ge=1,
+        description="Routers assumed when Redis never answered: a soft quota's local share is "
+        "quota_tokens / this.",
+    )
 
 
 class TelemetryConfig(_Section):
@@ -206,11 +331,34 @@ class RouterSettings(BaseSettings):
     replicas: list[ReplicaConfig] = Field(
         default_factory=list, description="The fleet (more can be added through /admin)."
     )
+    tenants: list[TenantConfig] = Field(
+        default_factory=list,
+        description="Tenants and their API keys; none (and require_api_keys off): open mode, "
+        "every request is the `default` tenant. More through /admin/tenants.",
+    )
+    require_api_keys: bool = Field(
+        default=False,
+        description="Refuse requests without a known key even while no tenant is configured.",
+    )
+    cache_salt_secret_env: str = Field(
+        default="CP_CACHE_SALT_SECRET",
+        description="Environment variable holding the secret tenant cache salts derive from.",
+    )
+    public_prefixes: list[PublicPrefixConfig] = Field(
+        default_factory=list,
+        description="Named prompt prefixes tenants may share a cache scope for (allow-list).",
+    )
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Routing policy.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Shared prefix index.")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Fleet health.")
+    fairness: FairnessConfig = Field(
+        default_factory=FairnessConfig, description="Tenant fair queue and priority classes."
+    )
+    quota: QuotaConfig = Field(
+        default_factory=QuotaConfig, description="Tenant token quotas (in Redis when configured)."
+    )
     telemetry: TelemetryConfig = Field(
         default_factory=TelemetryConfig, description="Metrics, traces, logs."
     )
@@ -221,6 +369,17 @@ class RouterSettings(BaseSettings):
         ids = [r.id for r in v]
         if len(ids) != len(set(ids)):
             raise ValueError(f"replica ids must be unique: {ids}")
+        return v
+
+    @field_validator("tenants")
+    @classmethod
+    def _unique_tenants(cls, v: list[TenantConfig]) -> list[TenantConfig]:
+        ids = [t.id for t in v]
+        if len(ids) != len(set(ids)):
+            raise ValueError(f"tenant ids must be unique: {ids}")
+        digests = [d for t in v for d in t.api_key_sha256]
+        if len(digests) != len(set(digests)):
+            raise ValueError("an API key digest is listed under two tenants")
         return v
 
     @classmethod

@@ -3,7 +3,8 @@
     route(body)                                      per request, in this order:
       1. model check, max_tokens limit                (4xx before any work)
       2. tokens: the configured tokenizer; prompt-token limit
-      3. block hashes at the fleet's block size, scoped by model (and the tenant's salt, later)
+      3. block hashes at the fleet's block size, scoped by model and the request's cache salt
+         (the tenant's, a public prefix's, or in open mode the client's: `SaltPolicy`)
       4. arm = assign_arm(arms, sticky key)           (A/B split; one arm without a split)
       5. matches = index.lookup(hashes, routable)     None = unknown: route on load, counted
       6. decision = arm.policy.choose(request, fleet.snapshot(), matches)   pure
@@ -22,6 +23,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +35,8 @@ from controlplane.errors import (
     RequestError,
 )
 from controlplane.hashing import BlockHasher, scope_key
+from controlplane.tenancy.model import Tenant
+from controlplane.tenancy.salts import SaltPolicy
 from controlplane.tokenization import PromptTokenizer, TokenizationError, Tokenized
 from controlplane.types import Decision, PrefixMatch, RoutingRequest
 from router.ab import Arm, arms_from_config, assign_arm, sticky_key_for
@@ -47,6 +51,8 @@ from router.predictor import OutputLengthPredictor
 from router.telemetry import RouterMetrics
 
 DEFAULT_BLOCK_SIZE = 16
+# hashers kept per (salt scope, block size); open-mode client salts are unbounded
+MAX_HASHERS = 4096
 
 
 @dataclass(slots=True)
@@ -80,6 +86,7 @@ class RouterCore:
         metrics: RouterMetrics,
         *,
         ledger: RouterLedger,
+        salts: SaltPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.settings = settings
@@ -94,9 +101,9 @@ class RouterCore:
             a.name: make_policy(a.policy, **a.params) for a in self.arms
         }
         self.predictor = OutputLengthPredictor()
-        secret = os.environ.get(settings.hash_secret_env, "").encode()
-        self._scope = scope_key(settings.served_model, None, "", secret)
-        self._hashers: dict[int, BlockHasher] = {}
+        self.salts = salts or SaltPolicy(b"")
+        self._secret = os.environ.get(settings.hash_secret_env, "").encode()
+        self._hashers: OrderedDict[tuple[str, int], BlockHasher] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
 
     # -- 1..3: the request ------------------------------------------------------------------------
@@ -120,10 +127,17 @@ class RouterCore:
         except TokenizationError as exc:
             raise RequestError(f"cannot tokenize the prompt: {exc}") from None
 
-    def _hasher(self, block_size: int) -> BlockHasher:
-        h = self._hashers.get(block_size)
+    def _hasher(self, salt: str, block_size: int) -> BlockHasher:
+        """The hasher of one salt scope: `scope_key(model, None, salt, secret)`, as the KV-event
+        ingestor computes it from the salt vLLM reports on block 0."""
+        h = self._hashers.get((salt, block_size))
         if h is None:
-            h = self._hashers[block_size] = BlockHasher(block_size, key=self._scope)
+            key = scope_key(self.settings.served_model, None, salt, self._secret)
+            h = self._hashers[(salt, block_size)] = BlockHasher(block_size, key=key)
+            if len(self._hashers) > MAX_HASHERS:
+                self._hashers.popitem(last=False)
+        else:
+            self._hashers.move_to_end((salt, block_size))
         return h
 
     async def build(
@@ -131,7 +145,7 @@ class RouterCore:
         body: ChatCompletionRequest | CompletionRequest,
         *,
         request_id: str,
-        tenant: str,
+        tenant: Tenant,
         session: str | None,
     ) -> RoutingRequest:
         limits = self.settings.limits
@@ -150,18 +164,28 @@ class RouterCore:
                 f"the prompt has {n} tokens; this router accepts at most {limits.max_prompt_tokens}"
             )
         bs = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
-        hashes = self._hasher(bs).hash_blocks(tok.token_ids)
+        salt = self.salts.choose(
+            tenant,
+            tok.token_ids,
+            (body.model_extra or {}).get("cache_salt"),
+            batch=bool(getattr(tok, "extra", 0)),
+        )
+        self.metrics.cache_salts.labels(salt.reason).inc()
+        hashes = self._hasher(salt.scope, bs).hash_blocks(tok.token_ids)
+        tid = tenant.tenant_id
         return RoutingRequest(
             request_id=request_id,
             prompt_tokens=n,
             block_hashes=tuple(hashes),
-            tenant=tenant,
+            tenant=tid,
+            priority=tenant.priority,
             model=body.model,
             max_tokens=cap,
-            predicted_output_tokens=self.predictor.predict(tenant, n, cap),
+            predicted_output_tokens=self.predictor.predict(tid, n, cap),
             session_key=session,
             arrival_s=self.clock(),
             block_size=bs,
+            cache_salt=salt.salt,
         )
 
     # -- 4..7: the decision -----------------------------------------------------------------------

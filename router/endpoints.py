@@ -1,4 +1,15 @@
-"""HTTP handlers: the OpenAI endpoints (`relay.py` does the per-request work), ops, admin."""
+"""HTTP handlers: the OpenAI endpoints (`relay.py` does the per-request work), ops, admin.
+
+Admin (Authorization: Bearer <admin key>; 404 while no admin key is configured):
+
+    GET    /admin/replicas, POST /admin/replicas, POST .../{id}/drain, DELETE .../{id}
+    GET    /admin/tenants               every tenant: id, weight, class, limits, number of keys
+    POST   /admin/tenants               add or replace one (a `TenantConfig`: keys as SHA-256
+                                        digests; the old digests of a replaced tenant stop working)
+    DELETE /admin/tenants/{id}          remove one (its requests in flight finish)
+
+Tenant changes apply to this router process; no response ever holds a key, a digest or a salt.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +17,15 @@ import hmac
 import time
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from controlplane.errors import AuthError, ConfigError, NotFoundError, RequestError
-from router.config import ReplicaConfig, RouterSettings
+from router.config import ReplicaConfig, RouterSettings, TenantConfig
 from router.openai_api import ChatCompletionRequest, CompletionRequest
 from router.relay import serve_request
 from router.runtime import RouterRuntime
+from router.tenants import tenant_of, tenant_view
 
 openai_routes = APIRouter()
 ops_routes = APIRouter()
@@ -120,3 +132,31 @@ async def remove_replica(request: Request, replica_id: str) -> dict[str, Any]:
     rt.fleet.get(replica_id)
     await rt.remove_replica(replica_id)
     return {"removed": replica_id}
+
+
+# the admin check as a dependency runs before the body is validated: no schema hints without a key
+_ADMIN = [Depends(_admin)]
+
+
+@admin_routes.get("/tenants", dependencies=_ADMIN)
+async def list_tenants(request: Request) -> dict[str, Any]:
+    ring = _rt(request).tenancy
+    return {"open_mode": ring.open_mode, "tenants": [tenant_view(ring, t) for t in ring.tenants()]}
+
+
+@admin_routes.post("/tenants", status_code=201, dependencies=_ADMIN)
+async def put_tenant(request: Request, tenant: TenantConfig) -> dict[str, Any]:
+    ring = _rt(request).tenancy
+    replaced = ring.get(tenant.id) is not None
+    try:
+        stored = ring.put(tenant_of(tenant), tenant.api_key_sha256)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+    return {"tenant": tenant_view(ring, stored), "replaced": replaced}
+
+
+@admin_routes.delete("/tenants/{tenant_id}", dependencies=_ADMIN)
+async def remove_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
+    if _rt(request).tenancy.remove(tenant_id) is None:
+        raise NotFoundError(f"no tenant {tenant_id!r}")
+    return {"removed": tenant_id}

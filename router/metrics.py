@@ -31,6 +31,8 @@ treats a decrease as a restarted source), `cp_upstream_errors_total{replica,kind
 `cp_ejections_total{replica,reason}`.
 
 Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_inflight_requests`.
+
+Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`.
 """
 
 from __future__ import annotations
@@ -166,6 +168,41 @@ class RouterMetrics:
             "cp_client_disconnects_total", "Clients that went away mid-request.", registry=r
         )
         self.inflight = Gauge("cp_inflight_requests", "Requests in the router now.", registry=r)
+        # tenancy: the fair queue
+        self.queued = Gauge(
+            "cp_queued_requests",
+            "Requests waiting in the router's fair queue.",
+            ("tenant",),
+            registry=r,
+        )
+        # tenancy: identity and cache salts
+        self.auth_failures = Counter(
+            "cp_auth_failures_total",
+            "Requests refused with 401, by reason (missing, malformed, conflicting, unknown).",
+            ("reason",),
+            registry=r,
+        )
+        self.cache_salts = Counter(
+            "cp_cache_salt_total",
+            "Requests by the rule that chose their cache salt (tenant, public_prefix, client, "
+            "none).",
+            ("reason",),
+            registry=r,
+        )
+        # tenancy: token quotas
+        self.quota_rejections = Counter(
+            "cp_quota_rejections_total",
+            "Requests refused by a token quota, by tenant and reason (exhausted, too_large, "
+            "store_down, local_share).",
+            ("tenant", "reason"),
+            registry=r,
+        )
+        self.quota_settlements = Counter(
+            "cp_quota_settlements_total",
+            "Quota reservations settled, by outcome (settled, duplicate, late, unknown, deferred).",
+            ("outcome",),
+            registry=r,
+        )
         self._kv_seen: dict[tuple[str, str], float] = {}
 
     def sync_kv_events(self, replica: str, applied: float, lost: float) -> None:

@@ -1,6 +1,7 @@
 """One OpenAI request through the router, from validated body to the last byte relayed.
 
-    build + route                       4xx / 503 before anything is reserved or sent
+    build + quota + route               4xx / 503 before anything is reserved or sent; the quota
+                                        holds prompt + max_tokens (429/503 when it cannot)
     open (race with client disconnect)  the first chunk, with at most one transparent retry
     relay                               streamed: chunk by chunk (RelayResponse); else whole
     close                               exactly once, in every path: upstream response closed,
@@ -9,6 +10,13 @@
 A client that disconnects while the router waits for the replica cancels the upstream call at
 once (the connection to the replica is closed, which makes vLLM abort the request); during a
 stream, the ASGI server's disconnect cancels the relay, with the same effect.
+
+Quota settlement (`Exchange._charge`, first thing in `close`, so a cancelled close cannot skip it):
+the usage the replica reported (prompt + completion tokens); 0 when no replica accepted the
+request (refused before sending, every replica refused, or a replica's 4xx); otherwise the usage
+is unknown (the client left, the replica died or failed) and `quota.unknown_usage` decides: the
+whole reservation (default; an upper bound, since max_tokens is always set) or the prompt plus the
+content events relayed so far.
 """
 
 from __future__ import annotations
@@ -27,8 +35,17 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from controlplane.errors import NoReadyReplicaError, UpstreamError
+from controlplane.errors import (
+    NoReadyReplicaError,
+    QuotaExceededError,
+    QuotaUnavailableError,
+    UpstreamError,
+)
+from controlplane.tenancy.identity import KeyRejected
+from controlplane.tenancy.model import Tenant
+from controlplane.tenancy.quota import Reservation, settle_tokens
 from router.core import Routed
+from router.fair_queue import Ticket
 from router.logs import request_context
 from router.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
 from router.proxy import NotAccepted, SSEFilter, Upstream, Usage
@@ -83,13 +100,31 @@ async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone
 
 
-def upstream_payload(body: ChatCompletionRequest | CompletionRequest, rt: RouterRuntime) -> bytes:
+def authenticate(rt: RouterRuntime, request: Request) -> Tenant:
+    """The request's tenant, from its API key alone (401 otherwise, counted by reason)."""
+    try:
+        return rt.tenancy.authenticate(request.headers)
+    except KeyRejected as exc:
+        rt.metrics.auth_failures.labels(exc.reason).inc()
+        raise
+
+
+def upstream_payload(
+    body: ChatCompletionRequest | CompletionRequest,
+    rt: RouterRuntime,
+    cache_salt: str | None = None,
+    max_tokens: int | None = None,
+) -> bytes:
+    """The body sent to the replica; `cache_salt` (the router's choice) overwrites the client's;
+    `max_tokens` (the quota's cap) is injected when the request has none."""
     data: dict[str, Any] = body.model_dump(mode="json", exclude_unset=True)
+    if cache_salt is not None:
+        data["cache_salt"] = cache_salt
     if body.stream:
         opts = dict(data.get("stream_options") or {})
         opts["include_usage"] = True
         data["stream_options"] = opts
-    cap = rt.settings.limits.default_max_tokens
+    cap = max_tokens if max_tokens is not None else rt.settings.limits.default_max_tokens
     if cap is not None and body.output_cap is None:
         data["max_tokens"] = cap
     return json.dumps(data, separators=(",", ":")).encode()
@@ -109,14 +144,19 @@ class Exchange:
         self.usage: Usage | None = None
         self.closed = False
         self.spans: tuple[Span, ...] = ()
+        self.ticket: Ticket | None = None
+        self.reservation: Reservation | None = None
+        self.reached = False  # a replica may have started the request (False: never accepted)
 
     async def open(self, path: str, payload: bytes, headers: dict[str, str]) -> Upstream:
         core, proxy = self.rt.core, self.rt.proxy
         proxy.budget.deposit()
         while True:
             try:
+                self.reached = True
                 up = await proxy.open(self.routed.replica_id, path, payload, headers)
             except NotAccepted as exc:
+                self.reached = False
                 refused = f"replica {self.routed.replica_id} refused the request ({exc.kind})"
                 if len(self.routed.tried) > 1 or not proxy.budget.available():
                     raise _refusal(exc.kind, refused) from None
@@ -140,7 +180,10 @@ class Exchange:
         try:
             async for chunk in self.rt.proxy.rest(self.up):
                 self.last_at = time.monotonic()
+                seen = self.sse.content_events
                 out = self.sse.feed(chunk)
+                if self.ticket is not None:  # decode work is charged as it streams
+                    self.rt.fairq.on_tokens(self.ticket, self.sse.content_events - seen)
                 if out:
                     yield out
         except UpstreamError as exc:
@@ -159,11 +202,19 @@ class Exchange:
         self.closed = True
         if status is not None:
             self.status = status
+        usage = self.sse.usage if self.stream else self.usage
+        if self.reservation is not None:  # first, before any await: nothing can skip it
+            self.rt.quotas.settle_soon(self.reservation, self._charge(usage))
         if self.up is not None:
             await self.up.aclose()
-        usage = self.sse.usage if self.stream else self.usage
         r = self.routed
         self.rt.core.finish(r, usage.completion_tokens if usage else None)
+        if self.ticket is not None:
+            self.rt.fairq.release(
+                self.ticket,
+                cached_tokens=usage.cached_tokens if usage else 0,
+                output_tokens=usage.completion_tokens if usage else None,
+            )
         self.rt.record(r, self.status, usage, self.first_at, self.last_at)
         for span in self.spans:
             _decision_attributes(span, r)  # the replica may have changed on a retry
@@ -176,6 +227,19 @@ class Exchange:
                     cached_tokens=usage.cached_tokens,
                 )
             span.end()
+
+    def _charge(self, usage: Usage | None) -> int:
+        """Tokens the quota is charged (`settle_tokens`): the usage the replica reported; 0 when
+        no replica accepted the request or one refused it with a 4xx; else unknown."""
+        assert self.reservation is not None
+        refused = self.up is not None and 400 <= self.up.response.status_code < 500
+        return settle_tokens(
+            self.reservation,
+            reported=None if usage is None else usage.prompt_tokens + usage.completion_tokens,
+            reached_replica=self.reached and not refused,
+            streamed=self.sse.content_events if self.stream else None,
+            rule=self.rt.settings.quota.unknown_usage,
+        )
 
 
 def _refusal(kind: str, message: str) -> Exception:
@@ -225,19 +289,40 @@ async def serve_request(
     )
     set_request_attributes(root, operation=op, model=body.model, max_tokens=body.output_cap)
     root.set_attribute("cp.request_id", rid)
+    reservation: Reservation | None = None
     try:
+        tenant = authenticate(rt, request)  # first: an unknown key is refused before any work
+        root.set_attribute("cp.tenant", tenant.tenant_id)
         with trace.use_span(root, end_on_exit=False), tracer.start_as_current_span("route") as sp:
-            session = body.user or request.headers.get("x-session-id")
-            req = await rt.core.build(body, request_id=rid, tenant="default", session=session)
-            routed = await rt.core.route(req)
+            given = body.user or request.headers.get("x-session-id")
+            # a session key is the tenant's own: another tenant naming it changes nothing
+            session = f"{tenant.tenant_id}:{given}" if given else None
+            req = await rt.core.build(body, request_id=rid, tenant=tenant, session=session)
+            reservation = await reserve_quota(rt, tenant, body, req.prompt_tokens)  # 429/503
+            # the tenant's turn in the fair queue (waits while the fleet is full)
+            ticket = await race_disconnect(request, rt.fairq.acquire(tenant, req))
+            try:
+                routed = await rt.core.route(req)
+            except BaseException:
+                rt.fairq.release(ticket)
+                raise
             for span in (sp, root):
                 _decision_attributes(span, routed)
+    except ClientGone:
+        rt.quotas.settle_soon(reservation, 0)  # nothing was sent
+        root.set_attribute("error.type", "client_closed")
+        root.end()
+        rt.metrics.client_disconnects.inc()
+        return Response(status_code=499)
     except BaseException as exc:
+        rt.quotas.settle_soon(reservation, 0)  # nothing was sent
         root.set_attribute("error.type", type(exc).__name__)
         root.end()
         raise
     keep_usage = bool(body.stream_options and body.stream_options.include_usage)
     ex = Exchange(rt, routed, bool(body.stream), keep_usage)
+    ex.ticket = ticket
+    ex.reservation = reservation
     ex.spans = (
         tracer.start_span(
             "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT
@@ -248,8 +333,12 @@ async def serve_request(
     headers = {"content-type": "application/json", "x-request-id": rid}
     inject_headers(headers, trace.set_span_in_context(ex.spans[0]))
     try:
-        up = await race_disconnect(request, ex.open(path, upstream_payload(body, rt), headers))
+        cap = reservation.max_tokens if reservation is not None else None
+        payload = upstream_payload(body, rt, routed.request.cache_salt, cap)
+        up = await race_disconnect(request, ex.open(path, payload, headers))
         out_headers = {"x-request-id": rid, **rt.decision_header(routed)}
+        if reservation is not None:
+            out_headers |= reservation.headers()  # x-ratelimit-*-tokens, as OpenAI sends
         if up.response.status_code >= 400:
             await ex.close(str(up.response.status_code))
             return Response(
@@ -272,6 +361,28 @@ async def serve_request(
     except BaseException as exc:
         status = str(getattr(exc, "status_code", 500))
         await ex.close(status)
+        raise
+
+
+async def reserve_quota(
+    rt: RouterRuntime,
+    tenant: Tenant,
+    body: ChatCompletionRequest | CompletionRequest,
+    prompt_tokens: int,
+) -> Reservation | None:
+    """Hold `prompt + sequences x max_tokens` of the tenant's quota before the request is queued
+    (None: no quota); a request without max_tokens gets the quota's cap injected."""
+    limits, q = rt.settings.limits, rt.settings.quota
+    default_cap = min(limits.default_max_tokens or q.default_max_tokens, limits.max_tokens)
+    best_of = (body.model_extra or {}).get("best_of")
+    n = max(body.n, best_of if isinstance(best_of, int) else 1)
+    prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    try:
+        return await rt.quotas.reserve(
+            tenant, prompt_tokens, body.output_cap, default_cap=default_cap, sequences=n * prompts
+        )
+    except (QuotaExceededError, QuotaUnavailableError) as exc:
+        rt.metrics.quota_rejections.labels(tenant.tenant_id, exc.reason).inc()
         raise
 
 

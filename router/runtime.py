@@ -4,8 +4,10 @@ fleet    LiveFleet: probes, scrapes, passive ejection, admin changes
 index    in-memory, or the shared Redis index
 events   EventIndexer over the replicas that publish KV events (when `redis.ingest_events`
          or no Redis: a process-local index has no other source)
-core     RouterCore: tokenize, hash, look up, decide, reserve
+tenancy  KeyRing: API key -> tenant (its salt derived from $CP_CACHE_SALT_SECRET)
+core     RouterCore: tokenize, hash (scoped by the request's cache salt), look up, decide, reserve
 proxy    Proxy: upstream calls, retries, streaming deadlines
+quotas   token quotas per tenant (MemoryQuotaStore, or RedisQuotaStore with `redis.url`)
 metrics  RouterMetrics (its own registry)
 """
 
@@ -21,13 +23,17 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
+from controlplane.tenancy.quota import QuotaStore
+from controlplane.tenancy.quota_redis import quota_store_for
 from router.config import ReplicaConfig, RouterSettings
 from router.core import Routed, RouterCore
+from router.fair_queue import FairQueue
 from router.fleet import LiveFleet
 from router.index import RouterIndex, open_index
 from router.ledger import RouterLedger
 from router.proxy import Proxy, Usage
 from router.telemetry import RouterMetrics, decision_header_value
+from router.tenants import key_ring, salt_policy
 from router.tokenizer import router_tokenizer
 from router.tracing import TRACER_NAME
 
@@ -51,6 +57,8 @@ class RouterRuntime:
         self.fleet = LiveFleet(settings, ledger=self.ledger, transport=transport)
         self.index: RouterIndex = open_index(settings.redis)
         self.tokenizer = router_tokenizer(settings.tokenizer, self.fleet, settings.served_model)
+        # API key -> tenant (config file, then /admin/tenants)
+        self.tenancy = key_ring(settings)
         self.core = RouterCore(
             settings,
             self.fleet,
@@ -58,12 +66,21 @@ class RouterRuntime:
             self.tokenizer,
             self.metrics,
             ledger=self.ledger,
+            salts=salt_policy(settings),
         )
         t = settings.timeouts
         self.proxy = Proxy(
             self.fleet, ttft_s=t.ttft_s, idle_s=t.idle_s, retry_budget=t.retry_budget
         )
         self.events: dict[str, EventIndexer] = {}
+        self.fairq = FairQueue(
+            settings.fairness,
+            self.fleet.snapshot,
+            on_change=lambda tenant, queued: self.metrics.queued.labels(tenant).set(queued),
+        )
+        # token quotas: reserve before dispatch, settle once (Redis when configured)
+        self.quotas: QuotaStore = quota_store_for(settings)
+        self.quotas.on_settle = lambda o: self.metrics.quota_settlements.labels(str(o)).inc()
         self.fleet.on_restart(self._restarted)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
@@ -94,6 +111,7 @@ class RouterRuntime:
         self.core._spawn(self.index.clear(replica_id))
 
     async def start(self) -> None:
+        await self.quotas.start()
         await self.fleet.start()
         await self.fleet.refresh()
         for r in self.settings.replicas:
@@ -118,6 +136,9 @@ class RouterRuntime:
         idx = self.index.degraded_reason
         if idx:
             reasons.append(idx)
+        quota = self.quotas.degraded_reason
+        if quota:
+            reasons.append(quota)
         return reasons
 
     # -- per-request telemetry ----------------------------------------------------------------
@@ -184,6 +205,8 @@ class RouterRuntime:
                 m.sync_kv_events(row.replica_id, row.batches, row.lost)
 
     async def aclose(self) -> None:
+        await self.fairq.aclose()
+        await self.quotas.aclose()  # settles in flight reach the store first
         for follower in self.events.values():
             await follower.close()
         self.events.clear()

@@ -70,7 +70,8 @@ def create_app(settings: RouterSettings, runtime: RouterRuntime | None = None) -
         status, body = error_of(exc)
         if status >= 500:
             log.warning("request failed: %s", exc)
-        return JSONResponse(body, status_code=status, headers=_rid(request))
+        headers = {**_rid(request), **exc.response_headers()}  # e.g. 429: Retry-After
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -15,8 +16,16 @@ from rich.table import Table
 from controlplane.cli import app
 from controlplane.cli.common import build_profile, build_trace
 from controlplane.errors import ConfigError
+from controlplane.sim.fair_replay import (
+    batch_share_for_trace,
+    fair_replay,
+    parse_modes,
+    parse_weights,
+)
 from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.replay import ReplayReport, replay
+from controlplane.tenancy.work import WorkMode
+from controlplane.traces.model import Trace
 from router.policies import POLICIES
 
 out = Console(width=None if sys.stdout.isatty() else 200)
@@ -65,6 +74,58 @@ def print_report(report: ReplayReport, console: Console = out) -> None:
     )
 
 
+def print_fairness(report: ReplayReport, console: Console = out) -> None:
+    """Per run and tenant: work share (roofline units) against the weight, latency p99s."""
+    table = Table(title=f"tenant fairness on {report.trace_name}")
+    cols = (
+        "run",
+        "tenant / class",
+        "weight",
+        "work share (target)",
+        "TTFT p50/p99 s",
+        "TPOT p50/p99 ms",
+        "router queue p99 s",
+        "completed",
+    )
+    for i, name in enumerate(cols):
+        table.add_column(name, justify="left" if i < 2 else "right")
+    for run, f in report.fairness.items():
+        first = True
+        for label, d, weight in [
+            *((t, d, f"{d['weight']:g}") for t, d in f.tenants.items()),
+            *((f"[dim]class {c}[/]", d, "") for c, d in f.classes.items()),
+        ]:
+            share = f"{d['work_share']:.1%} ({d['target_share']:.0%})" if "work_share" in d else ""
+            table.add_row(
+                run if first else "",
+                label,
+                weight,
+                share,
+                f"{d['ttft_p50_s']:.2f} / {d['ttft_p99_s']:.2f}",
+                f"{d['tpot_p50_s'] * 1e3:.0f} / {d['tpot_p99_s'] * 1e3:.0f}",
+                f"{d['queue_p99_s']:.2f}",
+                f"{int(d['completed'])}/{int(d['requests'])}",
+            )
+            first = False
+        span = sum(hi - lo for lo, hi in f.windows_s)
+        table.add_row(
+            "",
+            f"[bold]Jain {f.jain:.3f}[/]",
+            "",
+            f"over {span:.0f}s ({f.window_kind})",
+            "",
+            "",
+            "",
+            "",
+            end_section=True,
+        )
+    console.print(table)
+    console.print(
+        "work share: GPU work in roofline units (GPU-seconds at the reference decode batch) "
+        "done while every tenant was backlogged (contended) or over the arrival span"
+    )
+
+
 @app.command("replay")
 def replay_cmd(
     trace: Annotated[
@@ -110,6 +171,30 @@ def replay_cmd(
     oracle_output: Annotated[
         bool, typer.Option("--oracle-output", help="predicted_finish knows true output lengths.")
     ] = False,
+    fairness: Annotated[
+        str,
+        typer.Option(
+            help="Queue requests in the router per tenant and dispatch them by this ordering "
+            "(comma-separated to compare): request, vtc, vtc-roofline. Empty: route at arrival."
+        ),
+    ] = "",
+    tenant_weights: Annotated[
+        str, typer.Option(help="Tenant weights for --fairness, e.g. A=1,B=3 (default 1 each).")
+    ] = "",
+    batch_kv_share: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Share of each replica's KV the batch class may hold (1: no cap).",
+        ),
+    ] = 1.0,
+    interactive_tpot_target: Annotated[
+        float,
+        typer.Option(
+            help="Size --batch-kv-share from this interactive TPOT target (s) with the roofline."
+        ),
+    ] = 0.0,
     json_path: Annotated[
         Path | None, typer.Option("--json", help="Write the results as JSON.")
     ] = None,
@@ -121,6 +206,11 @@ def replay_cmd(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise ConfigError("--policies is empty")
+    modes = parse_modes(fairness)
+    if modes and len(names) > 1:
+        if policies != ALL_POLICIES:
+            raise ConfigError("--fairness compares orderings under one routing policy")
+        names = ["least_loaded"]
     prof = build_profile(gpu, model, tp, block_size)
     tr = build_trace(
         trace,
@@ -161,16 +251,25 @@ def replay_cmd(
         def advance(done: int) -> None:
             bar.update(tasks["current"], completed=done)  # type: ignore[arg-type]
 
-        report = replay(
-            tr,
-            config,
-            names,
-            slo_ttft_s=slo_ttft,
-            slo_tpot_s=slo_tpot,
-            on_policy_start=start,
-            progress=advance,
-        )
+        if modes:
+            share = batch_kv_share
+            if interactive_tpot_target > 0:
+                share, _ = batch_share_for_trace(tr, config, tpot_target_s=interactive_tpot_target)
+                out.print(f"batch KV share sized for TPOT {interactive_tpot_target}s: {share:.1%}")
+            report = replay_fair(tr, config, modes, names[0], tenant_weights, share, start, advance)
+        else:
+            report = replay(
+                tr,
+                config,
+                names,
+                slo_ttft_s=slo_ttft,
+                slo_tpot_s=slo_tpot,
+                on_policy_start=start,
+                progress=advance,
+            )
     print_report(report)
+    if report.fairness:
+        print_fairness(report)
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report.to_json(), indent=2))
@@ -180,3 +279,25 @@ def replay_cmd(
 
         plot_replay(report, plot)
         out.print(f"wrote {plot}")
+
+
+def replay_fair(
+    trace: Trace,
+    config: FleetConfig,
+    modes: list[WorkMode],
+    policy: str,
+    weights: str,
+    share: float,
+    start: Callable[[str], None],
+    advance: Callable[[int], None],
+) -> ReplayReport:
+    return fair_replay(
+        trace,
+        config,
+        modes,
+        policy=policy,
+        weights=parse_weights(weights),
+        batch_kv_share=share,
+        on_start=start,
+        progress=advance,
+    )

@@ -30,10 +30,16 @@ counted so a removal only reaches the index when the last engine block naming it
 repeated store of a known engine hash is idempotent (vLLM re-reports reused blocks when asked
 to, and a missed eviction of a duplicate is worse than an early one).
 
-Scopes: the adapter is the event's `lora_name`; the tenant salt is the `cache_salt` extra key
-vLLM puts on block 0 (`("cache_salt", salt)`), passed through `salt_for` (identity by default),
-so the router must key a request with `scope_key(model, adapter, salt, secret)` for the same
-salt it sent as `cache_salt`.
+Scopes: the adapter is the event's `lora_name`; the tenant salt is the request's `cache_salt`,
+which vLLM hashes into block 0 only and reports in block 0's entry of `extra_keys`, untagged
+(`to_event_extra_keys`: `(salt,)`, or `(lora_name, salt)` with an adapter; mm keys are tuples,
+prompt-embeds digests bytes, so the salt is the first string after the adapter name; the tagged
+`("cache_salt", salt)` form is accepted too). A chain's later events inherit the root's scope
+through the parent map. The salt passes through `salt_for` (identity by default), so the router
+keys a request with `scope_key(model, adapter, salt, secret)` for the very salt it sent as
+`cache_salt` (`controlplane.tenancy.salts`), and a tenant's blocks are indexed in its own scope.
+A release without `extra_keys` (before vllm #33304) reports salted chains as unsalted: they land
+in the unsalted scope, which a router with tenants never looks up (every request is salted).
 
 Counters are plain ints on `stats` (metrics-ready: all monotone).
 """
@@ -123,15 +129,18 @@ class _IndexWriter:
             cast(PrefixIndex, self._index).clear(self.replica_id)
 
 
-def cache_salt_of(extra: object) -> str | None:
-    """The `("cache_salt", salt)` entry of one block's extra keys, if any."""
+def cache_salt_of(extra: object, lora_name: str | None = None) -> str | None:
+    """The cache salt in one block's event extra keys, if any (see the module docstring)."""
     if not isinstance(extra, tuple):
         return None
-    for item in extra:
+    items = list(extra)
+    for item in items:  # the tagged form
         if isinstance(item, tuple) and len(item) == 2 and item[0] == "cache_salt":
             salt = item[1]
             return salt if isinstance(salt, str) else None
-    return None
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]
+    return next((item for item in items if isinstance(item, str)), None)
 
 
 class EventIngestor:
@@ -268,7 +277,8 @@ class EventIngestor:
         if ev.parent_block_hash is None:
             parent = 0
             first_extra = ev.extra_keys[0] if ev.extra_keys else None
-            scope: Scope = (ev.lora_name, self._salt_for(cache_salt_of(first_extra)))
+            salt = cache_salt_of(first_extra, ev.lora_name)
+            scope: Scope = (ev.lora_name, self._salt_for(salt))
         else:
             entry = self._engine.get(ev.parent_block_hash)
             if entry is None:

@@ -64,7 +64,9 @@ from urllib.parse import urlsplit
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from controlplane.errors import ConfigError
 from controlplane.prefix.breaker import BreakerState, CircuitBreaker
@@ -188,6 +190,7 @@ class RedisPrefixIndex:
         ssl_ca_certs: str | None = None,
         client_name: str | None = "cp-prefix-index",
         clock_override_ms: Callable[[], int] | None = None,
+        coalesce_s: float = 0.003,
     ) -> None:
         if entry_ttl_s <= 0 or lookup_budget_s <= 0 or write_timeout_s <= 0:
             raise ConfigError("entry_ttl_s, lookup_budget_s and write_timeout_s must be > 0")
@@ -207,6 +210,7 @@ class RedisPrefixIndex:
         # entries a write call may trim or evict at most (bounds the time a call holds Redis)
         self._budget = max(1024, 2 * self._chunk)
         self._idle_wake_s = 0.5
+        self._coalesce_s = coalesce_s
         self._clock_ms = clock_override_ms
         self._connect_timeout_s = connect_timeout_s
 
@@ -446,6 +450,10 @@ class RedisPrefixIndex:
                     async with asyncio.timeout(self._idle_wake_s):
                         batch.append(await queue.get())
             try:
+                if batch and queue.empty() and self._coalesce_s > 0:
+                    # a moment for the writes that arrive together (a request's speculation,
+                    # another's retraction, a KV event) to share one round trip
+                    await asyncio.sleep(self._coalesce_s)
                 blocks = sum(op.blocks for op in batch)
                 while not queue.empty() and blocks < self._batch_blocks:
                     op = queue.get_nowait()
@@ -530,6 +538,13 @@ class RedisPrefixIndex:
                 self.writes_applied += 1
 
     async def _pipeline(self, calls: Sequence[Sequence[Arg]]) -> list[Any]:
+        if len(calls) == 1:  # a pipeline object costs more than the call itself
+            try:
+                return [await self._command("EVALSHA", self._write.sha, 0, *calls[0])]
+            except (RedisConnectionError, RedisTimeoutError):
+                raise  # the connection failed: as a pipeline would
+            except RedisError as exc:
+                return [exc]  # the command failed (NOSCRIPT, a script error): per-call result
         pipe = self._redis.pipeline(transaction=False)
         for args in calls:
             pipe.execute_command("EVALSHA", self._write.sha, 0, *args)

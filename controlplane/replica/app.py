@@ -137,6 +137,7 @@ class Replica:
                         max_tokens=spec.max_tokens[i],
                         finish_reason="length" if n == spec.max_tokens[i] else "stop",
                         priority=spec.priority,
+                        cache_salt=spec.cache_salt,
                     )
                 )
         except CapacityError as exc:

@@ -5,7 +5,8 @@ The replica computes vLLM's exact chained hash (`controlplane.hashing.vllm_block
 configured algorithm and seed) for every full block of a request's tokens, prompt and planned
 output alike (vLLM hashes generated blocks too), and interns each digest as a dense id: equal
 digests (equal prefixes) get equal ids, so the engine's prefix cache hits exactly where vLLM's
-would.
+would. A request's `cache_salt` is hashed into its block 0 as vLLM does (so salted and unsalted
+chains never share a block) and reported, untagged, in block 0's event `extra_keys` (`(salt,)`).
 
 Ids are recycled, which keeps them bounded by what the engine can hold: an id is live while a
 request in the engine lists it (`refs`) or a block in the pool is cached under it (`copies`,
@@ -41,6 +42,8 @@ class _Block:
     event_hash: int
     parent: int | None
     token_ids: tuple[int, ...]
+    # the block's event extra keys (untagged): `(salt,)` on a salted chain's block 0
+    extra: tuple[object, ...] | None = None
     # requests in the engine whose known hashes list this id
     refs: int = 0
     # pool blocks cached under this id
@@ -63,20 +66,23 @@ class BlockHashTable:
         """Live ids."""
         return len(self._ids)
 
-    def digests(self, token_ids: Sequence[int]) -> list[bytes]:
-        return vllm_block_digests(token_ids, self.block_size, algo=self.algo, seed=self.seed)
+    def digests(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
+        return vllm_block_digests(
+            token_ids, self.block_size, algo=self.algo, seed=self.seed, cache_salt=cache_salt
+        )
 
-    def acquire(self, token_ids: Sequence[int]) -> list[int]:
+    def acquire(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[int]:
         """Dense ids of every full block of `token_ids`, each taking a request reference."""
         bs = self.block_size
         out: list[int] = []
         parent: int | None = None
         try:
-            for i, digest in enumerate(self.digests(token_ids)):
+            for i, digest in enumerate(self.digests(token_ids, cache_salt)):
                 bid = self._ids.get(digest)
                 if bid is None:
                     tokens = tuple(int(t) for t in token_ids[i * bs : (i + 1) * bs])
-                    bid = self._new_id(_Block(digest, event_int(digest), parent, tokens))
+                    extra = (cache_salt,) if cache_salt is not None and i == 0 else None
+                    bid = self._new_id(_Block(digest, event_int(digest), parent, tokens, extra))
                     self._ids[digest] = bid
                 block = self._blocks[bid]
                 assert block is not None
@@ -118,7 +124,7 @@ class BlockHashTable:
                         parent_block_hash=parent,
                         token_ids=tokens,
                         block_size=ev.block_size,
-                        extra_keys=[None] * len(blocks),
+                        extra_keys=[b.extra for b in blocks],
                         group_idx=GROUP_IDX,
                         kv_cache_spec_kind=KV_CACHE_SPEC_KIND,
                     )

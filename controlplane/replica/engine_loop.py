@@ -158,9 +158,10 @@ class EngineLoop:
         max_tokens: int,
         finish_reason: str = "length",
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> LiveRequest:
         """Queue a request whose output is `output_ids` (decided by the caller)."""
-        block_ids = self.table.acquire([*prompt_ids, *output_ids])
+        block_ids = self.table.acquire([*prompt_ids, *output_ids], cache_salt=cache_salt)
         self._uid += 1
         req = EngineRequest(
             request_id,

@@ -82,6 +82,8 @@ class GenerationSpec:
     seed: int = 0
     priority: int = 0
     request_id: str | None = None
+    # vLLM's cache_salt: hashed into block 0, so only requests with the same salt share blocks
+    cache_salt: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -240,6 +242,16 @@ def parse_generation(
         )
     seed = _int_field(body, "seed")
     rid = body.get("request_id")
+    salt = body.get("cache_salt")
+    if salt is not None and not (
+        isinstance(salt, str) and 0 < len(salt) <= 128 and not set(salt) & set("@/\\\0")
+    ):
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be a non-empty string of at most 128 characters "
+            "without '@', '/', '\\' or NUL.",
+            param="cache_salt",
+        )
     return GenerationSpec(
         kind=kind,
         model=model,
@@ -254,6 +266,7 @@ def parse_generation(
         seed=seed or 0,
         priority=priority,
         request_id=rid if isinstance(rid, str) and rid else None,
+        cache_salt=salt,
     )
 
 

@@ -12,6 +12,10 @@ Everything happens at simulated times popped from a single heap (the injected cl
               waiting, KV usage); 0 means metrics are always fresh
     CONTROL   a replica joins (ready after its load time) or leaves (drains, or dies)
 
+With `FleetConfig.fairness` set, ARRIVAL only queues the request in the router's per-tenant FIFOs
+(`controlplane.sim.tenant_queue`); it is routed when the fair queue dispatches it: after the
+arrival, and whenever a request finishes or a replica becomes ready, while a replica has room.
+
 Routers only ever see what a live router sees: scraped metrics, their own ledger, index lookups.
 The policy objects are the live router's (router.policies); one instance per router.
 """
@@ -33,7 +37,8 @@ from controlplane.sim.ids import Ids, dense_block_ids
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from controlplane.sim.request import EngineRequest, Status, priority_value
 from controlplane.sim.results import FleetResult, ReplicaStats, RequestRecord
-from controlplane.traces.model import Trace
+from controlplane.sim.tenant_queue import QueueConfig, TenantQueue
+from controlplane.traces.model import Trace, TraceRequest
 from controlplane.types import (
     Decision,
     DecisionReason,
@@ -41,6 +46,7 @@ from controlplane.types import (
     FleetSnapshot,
     Ledger,
     Phase,
+    PriorityClass,
     ReplicaState,
     RoutingRequest,
 )
@@ -70,6 +76,8 @@ class FleetConfig:
     oracle_output: bool = False
     priority_policy: bool = False
     fast_forward: bool = True
+    # the router-side tenant queue (None: every request is routed at arrival)
+    fairness: QueueConfig | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +91,9 @@ class _Replica:
     joined_s: float = 0.0
     ready_s: float = 0.0
     left_s: float = -1.0
+    # requests its last schedule could not admit (what it reports as waiting, minus arrivals
+    # since); the tenant queue sends it nothing while there are any
+    blocked: int = 0
 
 
 @dataclass(slots=True)
@@ -126,6 +137,10 @@ class FleetSim:
         self.records: list[RequestRecord] = []
         self._routing: dict[int, tuple[RoutingRequest, _Router, _Replica, Decision]] = {}
         self.kv_events_applied = 0
+        self.queue = TenantQueue.build(config.fairness, config.profile) if config.fairness else None
+        self._dispatch_due = False
+        # queued request index -> (record, reserved KV tokens)
+        self._queued: dict[int, tuple[RequestRecord, int]] = {}
 
     # -- fleet changes ---------------------------------------------------------------------------
     def _new_replica(self, phase: Phase, now: float) -> _Replica:
@@ -190,7 +205,10 @@ class FleetSim:
                     self._on_step_end(rep, t)
             elif kind == ARRIVAL:
                 i = int(a)  # type: ignore[call-overload]
-                self._on_arrival(i, reqs[i], block_ids[i], t)
+                if self.queue is None:
+                    self._on_arrival(i, reqs[i], block_ids[i], t)
+                else:
+                    self._enqueue(i, reqs[i], t)
                 arrivals_left -= 1
                 done += 1
                 if progress is not None and done % 256 == 0:
@@ -203,6 +221,10 @@ class FleetSim:
                     self._push(t + cfg.scrape_interval_s, SCRAPE)
             else:
                 self._on_control(a, b, t)  # type: ignore[arg-type]
+            if self._dispatch_due:
+                self._dispatch(reqs, block_ids, t)
+        for record, _ in self._queued.values():
+            record.rejected = "queued_at_end"
         if progress is not None:
             progress(done)
         wall = time.perf_counter() - wall0
@@ -221,7 +243,7 @@ class FleetSim:
             )
             for rep in self.replicas
         ]
-        return FleetResult(
+        result = FleetResult(
             records=self.records,
             replicas=stats,
             simulated_s=self.now,
@@ -229,6 +251,9 @@ class FleetSim:
             trace_span_s=trace.duration_s,
             kv_events_applied=self.kv_events_applied,
         )
+        if self.queue is not None:
+            result.meta["backlog"] = self.queue.close(self.now)
+        return result
 
     # -- handlers --------------------------------------------------------------------------------
     def _snapshot(self, router: _Router, now: float) -> FleetSnapshot:
@@ -266,13 +291,37 @@ class FleetSim:
             states.append(state)
         return FleetSnapshot(tuple(states), now)
 
-    def _on_arrival(self, i: int, tr: object, ids: Ids, now: float) -> None:
-        from controlplane.traces.model import TraceRequest
+    def _on_arrival(self, i: int, tr: TraceRequest, ids: Ids, now: float) -> None:
+        self._route(i, tr, ids, self._new_record(i, tr, now), now)
 
-        assert isinstance(tr, TraceRequest)
+    def _new_record(self, i: int, tr: TraceRequest, now: float) -> RequestRecord:
+        record = RequestRecord(
+            request_id=tr.request_id or f"req-{i}",
+            tenant=tr.tenant,
+            priority=tr.priority.value,
+            arrival_s=now,
+            prompt_tokens=tr.prompt_tokens,
+            output_tokens=max(1, tr.output_tokens),
+            router=i % len(self.routers),
+        )
+        self.records.append(record)
+        return record
+
+    def _route(
+        self,
+        i: int,
+        tr: TraceRequest,
+        ids: Ids,
+        record: RequestRecord,
+        now: float,
+        room: Callable[[ReplicaState], bool] | None = None,
+        reserved: int = 0,
+    ) -> None:
+        """Route one request now (only to replicas `room` accepts, when the queue dispatches it;
+        `reserved`: the KV tokens the queue books for it)."""
         cfg = self.config
         router = self.routers[i % len(self.routers)]
-        rid = tr.request_id or f"req-{i}"
+        rid = record.request_id
         if not self._direct:
             self._sync_all(now)  # the event-fed index needs every event published by now
         predicted = router.predictor.predict(
@@ -290,17 +339,9 @@ class FleetSim:
             arrival_s=now,
             block_size=cfg.profile.resolved_block_size,
         )
-        record = RequestRecord(
-            request_id=rid,
-            tenant=tr.tenant,
-            priority=tr.priority.value,
-            arrival_s=now,
-            prompt_tokens=tr.prompt_tokens,
-            output_tokens=max(1, tr.output_tokens),
-            router=i % len(self.routers),
-        )
-        self.records.append(record)
         snapshot = self._snapshot(router, now)
+        if room is not None:
+            snapshot = FleetSnapshot(tuple(r for r in snapshot.replicas if room(r)), now)
         candidates = [r.replica_id for r in snapshot.replicas if r.routable]
         matches = self.index.lookup(rreq.block_hashes, candidates) if candidates else {}
         decision = router.policy.choose(rreq, snapshot, matches)
@@ -335,14 +376,72 @@ class FleetSim:
             tag=record,
         )
         self._routing[i] = (rreq, router, rep, decision)
+        if self.queue is not None:
+            record.dispatched_s = now
+            self.queue.admitted(i, tr.tenant, rep.rid, ereq, reserved)
         if engine.add_request(ereq, now) or engine.idle:
             self._restart(rep, now)
+
+    # -- the router-side tenant queue ------------------------------------------------------------
+    def _enqueue(self, i: int, tr: TraceRequest, now: float) -> None:
+        assert self.queue is not None
+        record = self._new_record(i, tr, now)
+        out = max(1, tr.output_tokens)
+        if not any(rep.engine.fits(tr.prompt_tokens, out) for rep in self.replicas):
+            record.rejected = "too_long"
+            record.reason = DecisionReason.NO_HEALTHY_REPLICA.value
+            return
+        router = self.routers[i % len(self.routers)]
+        predicted = router.predictor.predict(
+            tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
+        )
+        self._queued[i] = (record, tr.prompt_tokens + max(1, predicted))
+        self.queue.enqueue(i, tr.tenant, tr.priority, tr.prompt_tokens, now)
+        self._dispatch_due = True
+
+    def _dispatch(self, reqs: Sequence[TraceRequest], block_ids: Sequence[Ids], now: float) -> None:
+        """Dispatch queued requests, fairest tenant first, while a replica has room."""
+        q = self.queue
+        assert q is not None
+        self._dispatch_due = False
+        if not q.queued:
+            return
+        if q.sweep_due(now):
+            self._sync_all(now)
+            q.sweep(now)
+        ready = [r for r in self.replicas if r.phase is Phase.READY]
+        q.fleet_kv = sum(r.engine.profile.num_gpu_blocks * r.engine.block_size for r in ready)
+
+        def fits(rep: _Replica, i: int, reserved: int) -> bool:
+            tr = reqs[i]
+            return (
+                not rep.blocked and rep.engine.fits(tr.prompt_tokens, max(1, tr.output_tokens))
+            ) and q.room(
+                rep.rid,
+                rep.engine.profile,
+                reserved,
+                tr.priority is PriorityClass.BATCH,
+                tr.tenant,
+                tr.prompt_tokens,
+            )
+
+        while True:
+            i = q.next(lambda i: any(fits(rep, i, self._queued[i][1]) for rep in ready), now)
+            if i is None:
+                return
+            record, reserved = self._queued.pop(i)
+
+            def room(state: ReplicaState, i: int = i, reserved: int = reserved) -> bool:
+                return fits(self._by_id[state.replica_id], i, reserved)
+
+            self._route(i, reqs[i], block_ids[i], record, now, room, reserved)
 
     def _restart(self, rep: _Replica, now: float) -> None:
         """(Re)schedule the replica's step-end event after a cut or when it was idle."""
         eng = rep.engine
         rep.version += 1
         end = eng.busy_until if not eng.idle else eng.start(now)
+        rep.blocked = eng.num_waiting
         self._publish(rep, now)
         if end is not None:
             self._push(end, STEP, rep.rid, rep.version)
@@ -353,6 +452,8 @@ class FleetSim:
         first, finished = eng.drain()
         cfg = self.config
         for req in first:
+            if self.queue is not None:
+                self.queue.first_token(req.uid)
             rreq, router, _rep, _ = self._routing[req.uid]
             router.ledger.first_token(rreq.request_id)
             router.policy.on_first_token(rreq, rep.rid)
@@ -362,6 +463,10 @@ class FleetSim:
         for req in finished:
             self._finish(req, now)
         end = eng.start(now)
+        if self.queue is not None:
+            if rep.blocked and not eng.num_waiting and self.queue.queued:
+                self._dispatch_due = True
+            rep.blocked = eng.num_waiting
         self._publish(rep, now)
         if end is not None:
             self._push(end, STEP, rep.rid, rep.version)
@@ -378,6 +483,9 @@ class FleetSim:
         record.preemptions = req.preemptions
         if failed:
             record.rejected = failed
+        if self.queue is not None:
+            self.queue.finished(req.uid)
+            self._dispatch_due = True
         router.ledger.release(rreq.request_id)
         router.policy.on_finished(rreq, rep.rid)
         if not failed:
@@ -444,6 +552,7 @@ class FleetSim:
             if rep.phase is Phase.LOADING:
                 rep.phase = Phase.READY
                 rep.ready_s = now
+                self._dispatch_due = self.queue is not None
         elif op == _LEAVE:
             rep = self._by_id[str(arg)]
             if rep.phase in (Phase.READY, Phase.LOADING):
@@ -484,4 +593,4 @@ def _visible(ledger: Ledger) -> Ledger:
     )
 
 
-__all__ = ["FleetConfig", "FleetSim", "Status"]
+__all__ = ["FleetConfig", "FleetSim", "QueueConfig", "Status"]

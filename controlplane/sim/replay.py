@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from controlplane.sim.fairness import TenantFairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.pooled import pooled_hit_rate
@@ -46,6 +47,8 @@ class ReplayReport:
     results: dict[str, FleetResult] = field(default_factory=dict)
     pooled_prefix_hit_rate: float = 0.0
     wall_s: float = 0.0
+    # per run, with the router-side tenant queue (controlplane.sim.fair_replay)
+    fairness: dict[str, TenantFairness] = field(default_factory=dict)
 
     def summaries(self) -> dict[str, dict[str, float]]:
         return {
@@ -88,6 +91,11 @@ class ReplayReport:
                 "scrape_interval_s": cfg.scrape_interval_s,
             },
             "policies": policies,
+            **(
+                {"fairness": {k: f.to_json() for k, f in self.fairness.items()}}
+                if self.fairness
+                else {}
+            ),
         }
 
 

@@ -35,6 +35,8 @@ class RequestRecord:
     preemptions: int = 0
     first_token_s: float = -1.0
     finish_s: float = -1.0
+    # when a router-side tenant queue sent it on (-1: routed at arrival)
+    dispatched_s: float = -1.0
     # non-empty when the request did not complete: why
     rejected: str = ""
 

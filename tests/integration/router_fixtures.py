@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from router_harness import RouterServer
-from sim_fleet import SimReplica, free_port
+from sim_fleet import SimReplica
 
 from router.config import RouterSettings, load_settings
 
@@ -38,12 +38,9 @@ def sim_args(model_dir: Path, *, speed: float = 5.0, kv_events: bool = False) ->
     """Arguments of a sim replica serving the tiny model (with KV events on free ports)."""
     args = ["--model-dir", str(model_dir), "--speed", str(speed)]
     if kv_events:
-        args += [
-            "--kv-events-endpoint",
-            f"tcp://127.0.0.1:{free_port()}",
-            "--kv-events-replay-endpoint",
-            f"tcp://127.0.0.1:{free_port()}",
-        ]
+        # a wildcard makes the replica's PUB bind (a host:port would make it connect, vLLM's rule,
+        # to a SUB that nobody binds); `replica_entry` reads the ports back
+        args += ["--kv-events-endpoint", "tcp://*:0", "--kv-events-replay-endpoint", "tcp://*:0"]
     return args
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from controlplane.traces.generators.bursts import bursty
 from controlplane.traces.generators.common import IdAllocator, namespace_for
+from controlplane.traces.generators.fairness import batch_flood, long_documents
 from controlplane.traces.generators.sessions import multi_turn
 from controlplane.traces.generators.shared_prefix import shared_prefix
 from controlplane.traces.generators.tenants import TENANT_PRESETS, TenantSpec, multi_tenant
@@ -22,6 +23,8 @@ GENERATORS: dict[str, Callable[..., Trace]] = {
     "sessions": multi_turn,
     "tenants": multi_tenant,
     "bursty": bursty,
+    "long-documents": long_documents,
+    "batch-flood": batch_flood,
 }
 
 __all__ = [
@@ -29,7 +32,9 @@ __all__ = [
     "TENANT_PRESETS",
     "IdAllocator",
     "TenantSpec",
+    "batch_flood",
     "bursty",
+    "long_documents",
     "multi_tenant",
     "multi_turn",
     "namespace_for",

@@ -1,0 +1,1 @@
+"""Tenants: identity, the token-weighted fair queue and token quotas."""
