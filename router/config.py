@@ -251,6 +251,32 @@ class FairnessConfig(_Section):
     mean_context_tokens: int = Field(
         default=2048, ge=1, description="Context assumed per sequence for the KV ceiling."
     )
+    # several routers: the queue's state in Redis (router/fair_shared.py)
+    shared: bool = Field(
+        default=True,
+        description="With redis.url: counters, backlog and slots shared by every router in "
+        "Redis, so the routers act as one queue; False: each router is fair on its own.",
+    )
+    key_prefix: str = Field(
+        default="cp:fair", description="Redis key prefix of the shared queue (+ served model)."
+    )
+    shared_timeout_ms: float = Field(
+        default=25.0, gt=0, description="Budget of one Redis call; 3 failures in a row: local."
+    )
+    heartbeat_s: float = Field(
+        default=0.25, gt=0, description="A router's call period while nothing waits in it."
+    )
+    router_ttl_s: float = Field(
+        default=1.5,
+        gt=0,
+        description="A router silent this long is dead: its backlog and slots are swept.",
+    )
+
+    @model_validator(mode="after")
+    def _ttl_above_heartbeat(self) -> FairnessConfig:
+        if self.router_ttl_s < 2 * self.heartbeat_s:
+            raise ValueError("fairness.router_ttl_s must be at least 2 x heartbeat_s")
+        return self
 
 
 class QuotaConfig(_Section):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,6 +109,7 @@ class Ticket:
     admitted: bool = False
     released: bool = False
     waiter: asyncio.Future[None] | None = field(default=None, repr=False)
+    queued_at: float = field(default_factory=time.monotonic, repr=False)
 
 
 class FairQueue:
@@ -242,21 +244,23 @@ class FairQueue:
                 for tid, f in self.fifos.items()
                 if f and self._fits(f[0], free, batch_free)
             }
-            for tid in waiting.keys() - self.state.backlogged:  # never strand a waiting FIFO
-                self.state = vtc.on_arrival(self.state, tid)
-            tid = vtc.pick(self.state, waiting)
-            if tid is None or tid not in waiting:
+            for stranded in waiting.keys() - self.state.backlogged:  # never strand a FIFO
+                self.state = vtc.on_arrival(self.state, stranded)
+            picked = vtc.pick(self.state, waiting)
+            if picked is None or picked not in waiting:
                 return
+            tid = picked
             fifo = self.fifos[tid]
             t = fifo.popleft()
             self.queued -= 1
             self.on_change(tid, len(fifo))
             if not fifo:
                 self.state = vtc.on_idle(self.state, tid)
-            self._admit(t, snap)
             assert t.waiter is not None
-            if not t.waiter.done():
-                t.waiter.set_result(None)
+            if t.waiter.done():  # cancelled, its task not yet resumed: it must not hold a slot
+                continue
+            self._admit(t, snap)
+            t.waiter.set_result(None)
 
     # -- charges while it runs, and the end -------------------------------------------------------
     def on_tokens(self, t: Ticket, n: int) -> None:
@@ -274,9 +278,9 @@ class FairQueue:
         if t.released or not t.admitted or self.cfg.mode == "off":
             t.released = True
             return
-        t.released = True
-        if output_tokens is not None and output_tokens > t.decoded:
+        if output_tokens is not None and output_tokens > t.decoded:  # before `released`
             self.on_tokens(t, output_tokens - t.decoded)
+        t.released = True
         if cached_tokens > 0:
             units = self._units or self.units(self.snapshot())
             refund = units.prefill(min(cached_tokens, t.prompt_tokens))

@@ -33,6 +33,8 @@ treats a decrease as a restarted source), `cp_upstream_errors_total{replica,kind
 Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_inflight_requests`.
 
 Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`.
+
+Fair queue shared by several routers: `cp_fair_shared_calls_total{outcome}`.
 """
 
 from __future__ import annotations
@@ -173,6 +175,13 @@ class RouterMetrics:
             "cp_queued_requests",
             "Requests waiting in the router's fair queue.",
             ("tenant",),
+            registry=r,
+        )
+        self.fair_shared = Counter(
+            "cp_fair_shared_calls_total",
+            "Calls of the shared fair queue to Redis by outcome (granted, full, turn, order, "
+            "priority, batch_kv, idle, synced, unreachable).",
+            ("outcome",),
             registry=r,
         )
         # tenancy: identity and cache salts

@@ -28,6 +28,7 @@ from controlplane.tenancy.quota_redis import quota_store_for
 from router.config import ReplicaConfig, RouterSettings
 from router.core import Routed, RouterCore
 from router.fair_queue import FairQueue
+from router.fair_shared import fair_queue_for
 from router.fleet import LiveFleet
 from router.index import RouterIndex, open_index
 from router.ledger import RouterLedger
@@ -73,10 +74,12 @@ class RouterRuntime:
             self.fleet, ttft_s=t.ttft_s, idle_s=t.idle_s, retry_budget=t.retry_budget
         )
         self.events: dict[str, EventIndexer] = {}
-        self.fairq = FairQueue(
-            settings.fairness,
+        # the fair queue: local, or shared by every router in Redis (router/fair_shared.py)
+        self.fairq: FairQueue = fair_queue_for(
+            settings,
             self.fleet.snapshot,
             on_change=lambda tenant, queued: self.metrics.queued.labels(tenant).set(queued),
+            on_outcome=lambda outcome: self.metrics.fair_shared.labels(outcome).inc(),
         )
         # token quotas: reserve before dispatch, settle once (Redis when configured)
         self.quotas: QuotaStore = quota_store_for(settings)
@@ -112,6 +115,7 @@ class RouterRuntime:
 
     async def start(self) -> None:
         await self.quotas.start()
+        await self.fairq.start()
         await self.fleet.start()
         await self.fleet.refresh()
         for r in self.settings.replicas:
@@ -139,6 +143,9 @@ class RouterRuntime:
         quota = self.quotas.degraded_reason
         if quota:
             reasons.append(quota)
+        fair = self.fairq.degraded_reason
+        if fair:
+            reasons.append(fair)
         return reasons
 
     # -- per-request telemetry ----------------------------------------------------------------

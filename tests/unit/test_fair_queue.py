@@ -217,3 +217,14 @@ def test_work_units(mode: str, short_vs_long: str) -> None:
         assert long_ == short == 100 and units.prefill(16_000) == 16_000
     else:
         assert units.prefill(16_000) == units.prefill(200) == 1.0 and long_ == 0
+
+
+async def test_a_waiter_cancelled_before_it_resumes_never_holds_a_slot() -> None:
+    q = queue(slots=1)
+    holder = await q.acquire(A, req())
+    waiter = asyncio.create_task(q.acquire(B, req()))
+    await settle()
+    waiter.cancel()  # its future is cancelled now; its task resumes only later
+    q.release(holder)  # dispatch runs before the cancelled task does
+    await settle()
+    assert waiter.cancelled() and q.admitted == 0 and q.queued == 0
