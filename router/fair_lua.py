@@ -25,15 +25,14 @@ below 0.
 
 from __future__ import annotations
 
-_COMMON = r"""
+from controlplane.redis_scripts import LUA_NOW
+
+_COMMON = (
+    r"""
 local P, R = ARGV[1], ARGV[3]
-local now
-if ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+"""
+    + LUA_NOW
+    + r"""
 local ROUTERS, INF, BKV, SEQ = P .. ':routers', P .. ':inf', P .. ':bkv', P .. ':seq'
 local BL, CLS, VC, ST = P .. ':bl', P .. ':cls', P .. ':vc', P .. ':stats'
 local KEEP = 3600000
@@ -99,7 +98,7 @@ local function notify(free)
   end
 end
 """
-
+)
 _STATE = r"""
 sweep()
 local ttl = tonumber(ARGV[4])

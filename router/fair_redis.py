@@ -31,21 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
-
-from controlplane.errors import ConfigError
 from controlplane.prefix.breaker import BreakerState, CircuitBreaker
 from controlplane.prefix.redis_index import check_url
+from controlplane.redis_scripts import Script, check_key_prefix, evalsha, script_client
 from router.fair_lua import ADMIT, SYNC, VIEW
 
 log = logging.getLogger(__name__)
@@ -90,12 +84,6 @@ class SharedView:
     stats: dict[str, int] = field(default_factory=dict)
 
 
-class _Script:
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -119,8 +107,7 @@ class SharedFairStore:
         breaker_cooldown_s: float = 1.0,
         clock_override_ms: Callable[[], int] | None = None,
     ) -> None:
-        if not key_prefix or any(c.isspace() or c in "{}" for c in key_prefix):
-            raise ConfigError("fairness key_prefix must be non-empty, without whitespace or braces")
+        check_key_prefix(key_prefix, "fairness")
         check_url(url, allow_insecure=allow_insecure, has_credentials=password is not None)
         self.key_prefix = key_prefix
         self.router_id = str(secrets.randbits(62))
@@ -128,20 +115,16 @@ class SharedFairStore:
         self.timeout_s = timeout_s
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
         self._clock_ms = clock_override_ms
-        kwargs: dict[str, Any] = {
-            "max_connections": 4,
-            "timeout": max(timeout_s, 1.0),
-            "socket_timeout": max(timeout_s, 1.0),
-            "socket_connect_timeout": min(max(timeout_s, 0.1), 1.0),
-            "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
-            "client_name": client_name,
-        }
-        if password is not None:
-            kwargs["password"] = password
-        self._pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
-        self._redis = aioredis.Redis(connection_pool=self._pool)
-        self._scripts = {"a": _Script(ADMIT), "s": _Script(SYNC), "v": _Script(VIEW)}
+        self._pool, self._redis = script_client(
+            url,
+            client_name=client_name,
+            max_connections=4,
+            pool_timeout_s=max(timeout_s, 1.0),
+            socket_timeout_s=max(timeout_s, 1.0),
+            connect_timeout_s=min(max(timeout_s, 0.1), 1.0),
+            password=password,
+        )
+        self._scripts = {"a": Script(ADMIT), "s": Script(SYNC), "v": Script(VIEW)}
         self._pending: dict[str, float] = {}
         self._unconfirmed: tuple[int, dict[str, float]] | None = None
         self._seq = 0
@@ -169,14 +152,9 @@ class SharedFairStore:
         return out
 
     # -- calls -------------------------------------------------------------------------------------
-    async def _run(self, script: _Script, args: list[str], timeout_s: float) -> Any:
-        run: Any = self._redis.execute_command
+    async def _run(self, script: Script, args: list[str], timeout_s: float) -> Any:
         async with asyncio.timeout(timeout_s):
-            try:
-                return await run("EVALSHA", script.sha, 0, *args)
-            except NoScriptError:
-                await run("SCRIPT", "LOAD", script.source)
-                return await run("EVALSHA", script.sha, 0, *args)
+            return await evalsha(self._redis, script, args)
 
     def _now(self) -> str:
         return "" if self._clock_ms is None else str(int(self._clock_ms()))

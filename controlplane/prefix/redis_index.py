@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import ipaddress
 import logging
 import struct
@@ -61,9 +60,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -71,6 +67,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from controlplane.errors import ConfigError
 from controlplane.prefix.breaker import BreakerState, CircuitBreaker
 from controlplane.prefix.redis_lua import LOOKUP, WRITE
+from controlplane.redis_scripts import Script, script_client
 from controlplane.types import PrefixMatch
 
 log = logging.getLogger(__name__)
@@ -146,12 +143,6 @@ class _Op:
         return len(self.blob) // 8
 
 
-class _Script:
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
 class RedisPrefixIndex:
     """A shared prefix index in Redis (see the module docstring for layout and behaviour).
 
@@ -214,27 +205,25 @@ class RedisPrefixIndex:
         self._clock_ms = clock_override_ms
         self._connect_timeout_s = connect_timeout_s
 
-        kwargs: dict[str, Any] = {
-            "max_connections": max_connections,
-            "timeout": max(write_timeout_s, lookup_budget_s),  # wait for a free connection
-            "socket_timeout": socket_timeout_s,
-            "socket_connect_timeout": connect_timeout_s,
-            "retry": Retry(NoBackoff(), 0),  # no hidden retries: the budget is ours
-            "health_check_interval": 0,
-            "client_name": client_name,
-        }
-        if password is not None:
-            kwargs["password"] = password
+        extra: dict[str, Any] = {}
         if username is not None:
-            kwargs["username"] = username
+            extra["username"] = username
         if ssl_ca_certs is not None:
             if urlsplit(url).scheme != "rediss":
                 raise ConfigError("ssl_ca_certs needs a rediss:// URL")
-            kwargs["ssl_ca_certs"] = ssl_ca_certs
-        self._pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
-        self._redis = aioredis.Redis(connection_pool=self._pool)
-        self._lookup = _Script(LOOKUP)
-        self._write = _Script(WRITE)
+            extra["ssl_ca_certs"] = ssl_ca_certs
+        self._pool, self._redis = script_client(
+            url,
+            client_name=client_name,
+            max_connections=max_connections,
+            pool_timeout_s=max(write_timeout_s, lookup_budget_s),  # wait for a free connection
+            socket_timeout_s=socket_timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            password=password,
+            **extra,
+        )
+        self._lookup = Script(LOOKUP)
+        self._write = Script(WRITE)
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
 
         self._queue: asyncio.Queue[_Op] = asyncio.Queue(maxsize=write_queue_size)
@@ -339,7 +328,7 @@ class RedisPrefixIndex:
         self.breaker.record_success()
         return out
 
-    async def _eval(self, script: _Script, args: Sequence[Arg], *, count: bool = False) -> Any:
+    async def _eval(self, script: Script, args: Sequence[Arg], *, count: bool = False) -> Any:
         if count:
             self.round_trips += 1
         try:
@@ -353,7 +342,7 @@ class RedisPrefixIndex:
     async def _command(self, *args: Arg) -> Any:
         return await self._redis.execute_command(*args)  # type: ignore[no-untyped-call]
 
-    async def _load(self, script: _Script) -> None:
+    async def _load(self, script: Script) -> None:
         self.script_loads += 1
         sha = await self._command("SCRIPT", "LOAD", script.source)
         if isinstance(sha, bytes):

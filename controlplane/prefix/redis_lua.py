@@ -13,17 +13,9 @@ by expiry (read by lookups with ZMSCORE: speculative expiry is exact).
 
 from __future__ import annotations
 
-_COMMON = r"""
-local P = ARGV[1]
-local now
-if ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-"""
+from controlplane.redis_scripts import LUA_NOW
 
+_COMMON = "\nlocal P = ARGV[1]" + LUA_NOW
 # ARGV: prefix, now ('' = Redis TIME), chain (8 bytes per block), candidates as one string
 # "replica\0incarnation\0replica\0incarnation..." (one argument and one reply string rather than
 # 32 integers: redis-py's pure-Python parser costs a few microseconds per element).

@@ -17,15 +17,14 @@ commands through `num` (`%.0f`): Lua 5.1 prints large numbers as 1.7e+12 otherwi
 
 from __future__ import annotations
 
-_COMMON = r"""
+from controlplane.redis_scripts import LUA_NOW
+
+_COMMON = (
+    r"""
 local P, T = ARGV[1], ARGV[3]
-local now
-if ARGV[2] ~= '' then
-  now = tonumber(ARGV[2])
-else
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+"""
+    + LUA_NOW
+    + r"""
 local K = P .. ':{' .. T .. '}:'
 local LOG, AMT, OPEN, DONE = K .. 'log', K .. 'amt', K .. 'open', K .. 'done'
 local ACC, STATS = K .. 'acc', K .. 'stats'
@@ -62,7 +61,7 @@ local function keep()
   for _, k in ipairs({LOG, AMT, OPEN, DONE, ACC}) do redis.call('PEXPIRE', k, ttl) end
 end
 """
-
+)
 # ARGV 7..11: limit, prompt tokens, sequences, max_tokens (0 = none: inject), default cap.
 # Reply: {reservation id (0 = refused), reason ('' = admitted, exhausted, too_large),
 #         charged (after an admission), reset ms, retry-after ms, max_tokens, amount}

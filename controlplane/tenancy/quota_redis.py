@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
@@ -42,14 +41,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
-
-from controlplane.errors import ConfigError, QuotaUnavailableError
+from controlplane.errors import QuotaUnavailableError
 from controlplane.prefix.breaker import BreakerState, CircuitBreaker
 from controlplane.prefix.redis_index import check_url
+from controlplane.redis_scripts import Script, check_key_prefix, evalsha, script_client
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import (
     QuotaReason,
@@ -67,12 +62,6 @@ if TYPE_CHECKING:
     from router.config import RouterSettings
 
 log = logging.getLogger(__name__)
-
-
-class _Script:
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
 
 
 class RedisQuotaStore:
@@ -95,8 +84,7 @@ class RedisQuotaStore:
         breaker_cooldown_s: float = 1.0,
         clock_override_ms: Callable[[], int] | None = None,
     ) -> None:
-        if not key_prefix or any(c.isspace() or c in "{}" for c in key_prefix):
-            raise ConfigError("quota key_prefix must be non-empty, without whitespace or braces")
+        check_key_prefix(key_prefix, "quota")
         check_url(url, allow_insecure=allow_insecure, has_credentials=password is not None)
         self.key_prefix = key_prefix
         self.window = window
@@ -112,21 +100,17 @@ class RedisQuotaStore:
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
         self.on_settle: Callable[[SettleOutcome], None] | None = None
         self._clock_ms = clock_override_ms
-        kwargs: dict[str, Any] = {
-            "max_connections": 64,
-            "timeout": timeout_s,
-            "socket_timeout": max(timeout_s, 1.0),
-            "socket_connect_timeout": min(timeout_s, 1.0),
-            "retry": Retry(NoBackoff(), 0),
-            "health_check_interval": 0,
-            "client_name": client_name,
-        }
-        if password is not None:
-            kwargs["password"] = password
-        self._pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
-        self._redis = aioredis.Redis(connection_pool=self._pool)
-        self._scripts = {n: _Script(s) for n, s in [("r", RESERVE), ("s", SETTLE), ("t", STATS)]}
-        self._heartbeat = _Script(HEARTBEAT)
+        self._pool, self._redis = script_client(
+            url,
+            client_name=client_name,
+            max_connections=64,
+            pool_timeout_s=timeout_s,
+            socket_timeout_s=max(timeout_s, 1.0),
+            connect_timeout_s=min(timeout_s, 1.0),
+            password=password,
+        )
+        self._scripts = {n: Script(s) for n, s in [("r", RESERVE), ("s", SETTLE), ("t", STATS)]}
+        self._heartbeat = Script(HEARTBEAT)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._pending: deque[tuple[Reservation, int, float]] = deque(maxlen=100_000)
         self._beat: asyncio.Task[None] | None = None
@@ -148,15 +132,10 @@ class RedisQuotaStore:
         win = str(max(0, round(window_s * 1000)))
         return [self.key_prefix, now, tenant_id, win, str(self.window), str(self.ttl_ms)]
 
-    async def _call(self, script: _Script, args: list[str], timeout_s: float) -> Any:
+    async def _call(self, script: Script, args: list[str], timeout_s: float) -> Any:
         """EVALSHA within `timeout_s` (the script is loaded again after a Redis restart)."""
-        run: Any = self._redis.execute_command
         async with asyncio.timeout(timeout_s):
-            try:
-                return await run("EVALSHA", script.sha, 0, *args)
-            except NoScriptError:
-                await run("SCRIPT", "LOAD", script.source)
-                return await run("EVALSHA", script.sha, 0, *args)
+            return await evalsha(self._redis, script, args)
 
     # -- reserve ---------------------------------------------------------------------------------
     async def reserve(
