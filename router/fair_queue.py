@@ -17,16 +17,16 @@ work the replicas report that this router did not send (other routers', from the
 KV tokens (prompt + max_tokens reserved per request), so interactive sequences always find room.
 Capacity changes as scrapes arrive, so waiting requests are re-checked on a short tick too.
 
-Work units (`WorkUnits`): `vtc` counts tokens; `vtc-roofline` counts roofline seconds: a prefill
-token costs its compute at its context, a decode token the step time per sequence at its
-context, so a long document costs what it costs the GPU; `request` charges 1 per request.
+Work units are `controlplane.tenancy.work.WorkModel`'s, the simulator's own: `vtc` counts
+tokens; `vtc-roofline` counts roofline seconds (a prefill token costs its compute at its
+context, a decode token the step time per sequence at its context, so a long document costs
+what it costs the GPU); `request` charges 1 per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,12 +35,11 @@ from dataclasses import dataclass, field
 from controlplane.errors import CapacityError, RequestError
 from controlplane.roofline.capacity import (
     concurrency_ceilings,
-    decode_seconds_per_token,
-    prefill_seconds_per_token,
 )
 from controlplane.roofline.profile import EngineProfile
 from controlplane.tenancy import vtc
 from controlplane.tenancy.model import Tenant
+from controlplane.tenancy.work import WorkModel
 from controlplane.types import FleetSnapshot, PriorityClass, RoutingRequest
 from router.config import FairnessConfig
 from router.load import estimate
@@ -56,47 +55,6 @@ class TenantQueueFullError(RequestError):
 
 class QueueFullError(CapacityError):
     """The router's queue is full."""
-
-
-class WorkUnits:
-    """What a token costs, in the configured mode's units (pure, per engine profile)."""
-
-    def __init__(self, mode: str, profile: EngineProfile | None) -> None:
-        self.mode = mode
-        self.profile = profile
-        self._batch = 1
-        self._memo: dict[tuple[str, int], float] = {}
-        if profile is not None:
-            self._batch = max(1, min(64, concurrency_ceilings(profile, 2048).sequences // 2))
-
-    def prefill(self, tokens: int, context: int = 0) -> float:
-        if self.mode == "request":
-            return 1.0
-        if self.mode != "vtc-roofline" or self.profile is None:
-            return float(tokens)
-        return tokens * self._per_token("p", context + tokens // 2)
-
-    def decode(self, tokens: int, context: int) -> float:
-        if self.mode == "request":
-            return 0.0
-        if self.mode != "vtc-roofline" or self.profile is None:
-            return float(tokens)
-        return tokens * self._per_token("d", context + tokens // 2)
-
-    def _per_token(self, kind: str, context: int) -> float:
-        """The roofline's cost per token at `context`, memoized by 1/16-octave buckets (the
-        roofline is smooth: a bucket moves the cost by well under 1%)."""
-        bucket = int(16 * math.log2(context + 1))
-        cost = self._memo.get((kind, bucket))
-        if cost is None:
-            assert self.profile is not None
-            at = 2 ** (bucket / 16) - 1
-            if kind == "p":
-                cost = prefill_seconds_per_token(self.profile, at)
-            else:
-                cost = decode_seconds_per_token(self.profile, self._batch, at)
-            self._memo[(kind, bucket)] = cost
-        return cost
 
 
 @dataclass(eq=False)
@@ -130,15 +88,20 @@ class FairQueue:
         self.admitted = 0
         self.batch_tokens = 0
         self.queued = 0
-        self._units: WorkUnits | None = None
+        self._units: WorkModel | None = None
         self._ceilings: dict[EngineProfile, int] = {}
         self._ticker: asyncio.Task[None] | None = None
 
     # -- capacity ---------------------------------------------------------------------------------
-    def units(self, snap: FleetSnapshot) -> WorkUnits:
-        if self._units is None or (self._units.profile is None and snap.replicas):
+    def units(self, snap: FleetSnapshot) -> WorkModel:
+        """The mode's work model, priced on the fleet's profile once one replica is known
+        (until then roofline work is counted in tokens; "off" charges like "request")."""
+        if self._units is None or (self._units.cost is None and snap.replicas):
+            mode = "request" if self.cfg.mode == "off" else self.cfg.mode
+            if mode == "vtc-roofline" and not snap.replicas:
+                mode = "vtc"
             prof = snap.replicas[0].profile if snap.replicas else None
-            self._units = WorkUnits(self.cfg.mode, prof)
+            self._units = WorkModel.build(mode, prof)
         return self._units
 
     def _replica_slots(self, prof: EngineProfile) -> int:
@@ -283,8 +246,8 @@ class FairQueue:
         t.released = True
         if cached_tokens > 0:
             units = self._units or self.units(self.snapshot())
-            refund = units.prefill(min(cached_tokens, t.prompt_tokens))
-            if units.mode != "request":
+            refund = units.refund_cached(min(cached_tokens, t.prompt_tokens))
+            if refund > 0:
                 self.state = vtc.refund(self.state, t.tenant.tenant_id, refund, t.tenant.weight)
                 self._charged(t.tenant.tenant_id, -refund / t.tenant.weight)
         self.admitted -= 1

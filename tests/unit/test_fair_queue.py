@@ -12,6 +12,7 @@ import pytest
 from controlplane.errors import CapacityError
 from controlplane.roofline.profile import profile
 from controlplane.tenancy.model import Tenant
+from controlplane.tenancy.work import WorkModel
 from controlplane.types import (
     EngineMetrics,
     FleetSnapshot,
@@ -20,7 +21,7 @@ from controlplane.types import (
     RoutingRequest,
 )
 from router.config import FairnessConfig
-from router.fair_queue import FairQueue, QueueFullError, TenantQueueFullError, Ticket, WorkUnits
+from router.fair_queue import FairQueue, QueueFullError, TenantQueueFullError, Ticket
 
 PROFILE = profile("h100", "llama-3.1-8b")
 A, B = Tenant("A"), Tenant("B")
@@ -208,7 +209,7 @@ async def test_off_mode_bypasses_everything() -> None:
     [("vtc", "linear"), ("vtc-roofline", "grows"), ("request", "flat")],
 )
 def test_work_units(mode: str, short_vs_long: str) -> None:
-    units = WorkUnits(mode, PROFILE)
+    units = WorkModel.build(mode, PROFILE)
     short, long_ = units.decode(100, 1000), units.decode(100, 30_000)
     if short_vs_long == "grows":
         assert long_ > short > 0  # decode cost grows with context
