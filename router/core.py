@@ -107,23 +107,28 @@ class RouterCore:
         self._background: set[asyncio.Task[None]] = set()
 
     # -- 1..3: the request ------------------------------------------------------------------------
-    async def _tokens(self, body: ChatCompletionRequest | CompletionRequest) -> Tokenized:
+    async def _tokens(
+        self, body: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[Tokenized, int]:
+        """The prompt's tokens, and the token count of the batch's other prompts (a completion
+        batch is routed as one request, on its first prompt)."""
         try:
             if isinstance(body, ChatCompletionRequest):
                 msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-                return await self.tokenizer.tokenize_chat(
+                chat = await self.tokenizer.tokenize_chat(
                     msgs,
                     add_generation_prompt=body.add_generation_prompt,
                     continue_final_message=body.continue_final_message,
                     chat_template_kwargs=body.chat_template_kwargs,
                     tools=body.tools,
                 )
+                return chat, 0
             first, *rest = body.prompts()
             tok = await self.tokenizer.tokenize(first)
             extra = 0
-            for p in rest:  # a batch: routed as one, on its first prompt
+            for p in rest:
                 extra += len(await self.tokenizer.tokenize(p))
-            return Tokenized(tok.token_ids, tok.exact) if not extra else _padded(tok, extra)
+            return tok, extra
         except TokenizationError as exc:
             raise RequestError(f"cannot tokenize the prompt: {exc}") from None
 
@@ -157,8 +162,8 @@ class RouterCore:
         cap = body.output_cap
         if cap is not None and cap > limits.max_tokens:
             raise RequestError(f"max_tokens {cap} exceeds this router's limit {limits.max_tokens}")
-        tok = await self._tokens(body)
-        n = len(tok.token_ids) + getattr(tok, "extra", 0)
+        tok, extra = await self._tokens(body)
+        n = len(tok.token_ids) + extra
         if n > limits.max_prompt_tokens:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens; this router accepts at most {limits.max_prompt_tokens}"
@@ -168,7 +173,7 @@ class RouterCore:
             tenant,
             tok.token_ids,
             (body.model_extra or {}).get("cache_salt"),
-            batch=bool(getattr(tok, "extra", 0)),
+            batch=extra > 0,
         )
         self.metrics.cache_salts.labels(salt.reason).inc()
         hashes = self._hasher(salt.scope, bs).hash_blocks(tok.token_ids)
@@ -309,12 +314,3 @@ class RouterCore:
         for task in list(self._background):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-
-
-@dataclass(frozen=True)
-class _BatchTokenized(Tokenized):
-    extra: int = 0
-
-
-def _padded(tok: Tokenized, extra: int) -> Tokenized:
-    return _BatchTokenized(tok.token_ids, tok.exact, tok.prompt_text, extra)

@@ -173,7 +173,7 @@ async def test_each_tenant_hashes_in_its_own_scope(svc: Svc) -> None:
     (_, a1), (_, b), (_, a2) = svc.built
     assert a1.block_hashes and a1.block_hashes == a2.block_hashes
     assert not set(a1.block_hashes) & set(b.block_hashes)
-    ids = (await svc.rt.core._tokens(ChatCompletionRequest(**chat()))).token_ids
+    ids = (await svc.rt.core._tokens(ChatCompletionRequest(**chat())))[0].token_ids
     for req in (a1, b):
         salt = tenant_salt(SECRET.encode(), req.tenant)
         hasher = BlockHasher(req.block_size, scope_key(MODEL, None, salt, HASH_SECRET.encode()))
