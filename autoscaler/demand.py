@@ -1,0 +1,161 @@
+"""The demand signal, measured where requests arrive: at the router (never GPU utilization).
+
+A `DemandMeter` sees four events per request, from whichever host runs it (the live router, the
+simulator's routers):
+
+    arrived(id, prompt, predicted_output, now)   work is priced at arrival with `SloCapacity`:
+                                                 prefill P(prompt), decode D(predicted output);
+                                                 the request joins the backlog and in-flight set
+    started(id, now)                             it left the backlog (a replica began its prefill)
+    first_token(id, now)                         TTFT observed (for reports, not for decisions)
+    finished(id, now)                            it leaves in-flight (and the backlog, if it never
+                                                 started: rejected, cancelled, failed)
+
+`sample(now)` closes the interval since the previous sample and returns a `DemandSample`:
+
+- arrival rate, kept apart from the backlog: `prefill_work_s` and `decode_work_s` sum the work
+  of requests that *arrived* in the interval; `backlog_work_s` is the work of requests accepted
+  and not started at `now`. A policy that treats the backlog as demand (Ray's default, KPA)
+  turns the queue that piled up while replicas loaded into permanent capacity; keeping the two
+  apart lets the headroom policy drain the one and forecast the other.
+- `in_flight_avg`: the time-average of the in-flight count over the interval (what Ray's
+  `look_back_period_s` and Knative's windows average), integrated exactly at every event.
+- `prefill_mean_s`, `prefill_scv`: mean and squared coefficient of variation of the arrivals'
+  prefill work, the M/G/1 inputs of the utilization target.
+- `ttft_p99_s`: p99 of the TTFTs observed in the interval (-1 when none).
+
+Prefix-cache hits are not known at arrival; the meter prices whole prompts, so demand errs on the
+side of capacity. The meter is plain mutable bookkeeping, O(1) per event; the policies that read
+its samples are pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from autoscaler.capacity import SloCapacity
+from autoscaler.types import DemandSample
+
+
+@dataclass(slots=True)
+class _Open:
+    arrival_s: float
+    work_s: float
+    started: bool = False
+
+
+class DemandMeter:
+    """Router-side demand bookkeeping for one model."""
+
+    def __init__(self, capacity: SloCapacity, *, start_s: float = 0.0) -> None:
+        self.capacity = capacity
+        self._open: dict[str, _Open] = {}
+        self._backlog_work = 0.0
+        self._backlog_n = 0
+        self._t0 = start_s
+        self._last_event = start_s
+        self._area = 0.0  # integral of the in-flight count since _t0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._arrivals = 0
+        self._prefill = 0.0
+        self._decode = 0.0
+        self._prefill_sq = 0.0
+        self._ttfts: list[float] = []
+
+    def _advance(self, now: float) -> None:
+        if now > self._last_event:
+            self._area += len(self._open) * (now - self._last_event)
+            self._last_event = now
+
+    # -- events ----------------------------------------------------------------------------------
+    def arrived(
+        self, request_id: str, prompt_tokens: int, predicted_output_tokens: int, now: float
+    ) -> None:
+        if request_id in self._open:
+            return
+        self._advance(now)
+        cap = self.capacity
+        prefill = cap.prefill_work(prompt_tokens)
+        decode = cap.decode_work(max(1, predicted_output_tokens), prompt_tokens)
+        self._arrivals += 1
+        self._prefill += prefill
+        self._decode += decode
+        self._prefill_sq += prefill * prefill
+        self._open[request_id] = _Open(now, prefill + decode)
+        self._backlog_work += prefill + decode
+        self._backlog_n += 1
+
+    def started(self, request_id: str, now: float) -> None:
+        entry = self._open.get(request_id)
+        if entry is None or entry.started:
+            return
+        entry.started = True
+        self._leave_backlog(entry)
+
+    def first_token(self, request_id: str, now: float) -> None:
+        entry = self._open.get(request_id)
+        if entry is None:
+            return
+        self.started(request_id, now)
+        self._ttfts.append(now - entry.arrival_s)
+
+    def finished(self, request_id: str, now: float) -> None:
+        self._advance(now)
+        entry = self._open.pop(request_id, None)
+        if entry is not None and not entry.started:
+            self._leave_backlog(entry)
+
+    def _leave_backlog(self, entry: _Open) -> None:
+        self._backlog_n -= 1
+        self._backlog_work = max(0.0, self._backlog_work - entry.work_s) if self._backlog_n else 0.0
+
+    # -- reading ---------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> int:
+        return len(self._open)
+
+    @property
+    def backlog_requests(self) -> int:
+        return self._backlog_n
+
+    @property
+    def backlog_work_s(self) -> float:
+        return self._backlog_work
+
+    def sample(self, now: float, *, gpu_util: float = 0.0) -> DemandSample:
+        """Close the interval since the last sample and describe it."""
+        self._advance(now)
+        interval = max(0.0, now - self._t0)
+        n = self._arrivals
+        mean = self._prefill / n if n else 0.0
+        scv = 1.0
+        if n > 1 and mean > 0:
+            var = max(0.0, self._prefill_sq / n - mean * mean)
+            scv = var / (mean * mean)
+        ttft_p99 = float(np.percentile(self._ttfts, 99)) if self._ttfts else -1.0
+        sample = DemandSample(
+            t_s=now,
+            interval_s=interval,
+            arrivals=n,
+            prefill_work_s=self._prefill,
+            decode_work_s=self._decode,
+            backlog_requests=self._backlog_n,
+            backlog_work_s=self._backlog_work,
+            in_flight=len(self._open),
+            in_flight_avg=self._area / interval if interval > 0 else float(len(self._open)),
+            prefill_mean_s=mean,
+            prefill_scv=scv,
+            gpu_util=gpu_util,
+            ttft_p99_s=ttft_p99,
+        )
+        self._t0 = now
+        self._area = 0.0
+        self._reset()
+        return sample
+
+
+__all__ = ["DemandMeter"]

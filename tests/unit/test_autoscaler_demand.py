@@ -1,0 +1,92 @@
+"""DemandMeter: arrival work and backlog kept apart, exact time-averages, nothing leaks."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from autoscaler.capacity import SloCapacity
+from autoscaler.demand import DemandMeter
+from controlplane.roofline.profile import profile
+
+CAP = SloCapacity.build(profile("h100", "llama-3.1-8b"), 2.0, 0.1)
+
+
+def test_arrivals_are_priced_and_backlog_is_separate() -> None:
+    m = DemandMeter(CAP)
+    m.arrived("a", 1000, 100, 1.0)
+    m.arrived("b", 3000, 10, 2.0)
+    m.started("a", 2.5)
+    s = m.sample(10.0)
+    assert s.interval_s == 10.0 and s.arrivals == 2
+    assert s.prefill_work_s == pytest.approx(CAP.prefill_work(1000) + CAP.prefill_work(3000))
+    assert s.decode_work_s == pytest.approx(CAP.decode_work(100, 1000) + CAP.decode_work(10, 3000))
+    assert s.rate == pytest.approx((s.prefill_work_s + s.decode_work_s) / 10.0)
+    assert s.backlog_requests == 1
+    assert s.backlog_work_s == pytest.approx(CAP.request_work(3000, 10))
+    assert s.in_flight == 2
+    # a: in flight 1..10 (9 s), b: 2..10 (8 s) over a 10 s interval
+    assert s.in_flight_avg == pytest.approx(1.7)
+    # the next interval has no arrivals but keeps the backlog and the in-flight requests
+    s2 = m.sample(20.0)
+    assert (s2.arrivals, s2.prefill_work_s, s2.backlog_requests) == (0, 0.0, 1)
+    assert s2.in_flight_avg == pytest.approx(2.0)
+
+
+def test_ttft_p99_and_prefill_variability() -> None:
+    m = DemandMeter(CAP)
+    for i in range(10):
+        m.arrived(f"r{i}", 500, 50, 0.0)
+        m.first_token(f"r{i}", 0.1 * (i + 1))
+    s = m.sample(5.0)
+    assert s.backlog_requests == 0
+    assert s.ttft_p99_s == pytest.approx(0.991, abs=1e-3)
+    assert s.prefill_scv == pytest.approx(0.0, abs=1e-9)
+    m.arrived("short", 100, 1, 5.0)
+    m.arrived("long", 8000, 1, 5.0)
+    s = m.sample(6.0)
+    assert s.prefill_scv > 0.5
+    assert m.sample(7.0).ttft_p99_s == -1.0
+
+
+def test_events_for_unknown_or_repeated_requests_are_ignored() -> None:
+    m = DemandMeter(CAP)
+    m.started("ghost", 0.0)
+    m.first_token("ghost", 0.0)
+    m.finished("ghost", 0.0)
+    m.arrived("x", 100, 10, 0.0)
+    m.arrived("x", 100, 10, 0.0)
+    m.started("x", 1.0)
+    m.started("x", 1.0)
+    s = m.sample(2.0)
+    assert (s.arrivals, s.backlog_requests, s.in_flight) == (1, 0, 1)
+
+
+events = st.lists(
+    st.tuples(st.sampled_from(["arrive", "start", "first", "finish"]), st.integers(0, 7)),
+    max_size=60,
+)
+
+
+@given(events)
+def test_nothing_leaks_once_every_request_finishes(ops: list[tuple[str, int]]) -> None:
+    m = DemandMeter(CAP)
+    t = 0.0
+    for op, k in ops:
+        t += 0.5
+        rid = f"r{k}"
+        if op == "arrive":
+            m.arrived(rid, 200 + 100 * k, 20, t)
+        elif op == "start":
+            m.started(rid, t)
+        elif op == "first":
+            m.first_token(rid, t)
+        else:
+            m.finished(rid, t)
+        assert 0 <= m.backlog_requests <= m.in_flight
+        assert m.backlog_work_s >= 0
+    for k in range(8):
+        m.finished(f"r{k}", t + 1)
+    s = m.sample(t + 2)
+    assert (s.in_flight, s.backlog_requests, s.backlog_work_s) == (0, 0, 0.0)
