@@ -74,9 +74,10 @@ class DemandMeter:
     # -- events ----------------------------------------------------------------------------------
     def arrived(
         self, request_id: str, prompt_tokens: int, predicted_output_tokens: int, now: float
-    ) -> None:
+    ) -> tuple[float, float]:
+        """Record an arrival; returns its (prefill, decode) work ((0, 0) for a repeated id)."""
         if request_id in self._open:
-            return
+            return 0.0, 0.0
         self._advance(now)
         cap = self.capacity
         prefill = cap.prefill_work(prompt_tokens)
@@ -88,6 +89,7 @@ class DemandMeter:
         self._open[request_id] = _Open(now, prefill + decode)
         self._backlog_work += prefill + decode
         self._backlog_n += 1
+        return prefill, decode
 
     def started(self, request_id: str, now: float) -> None:
         entry = self._open.get(request_id)

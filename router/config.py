@@ -279,6 +279,28 @@ class FairnessConfig(_Section):
         return self
 
 
+class DemandConfig(_Section):
+    enabled: bool = Field(
+        default=True,
+        description="Measure the demand signal the autoscaler reads (cp_demand_*, cp_backlog_*).",
+    )
+    ttft_slo_s: float = Field(
+        default=2.0, gt=0, description="TTFT SLO that prices work (autoscaler capacity unit)."
+    )
+    tpot_slo_s: float = Field(
+        default=0.1, gt=0, description="TPOT SLO that sets the decode batch work is priced at."
+    )
+    gpu: str | None = Field(
+        default=None, description="GPU key of the priced replica; None: the first replica's."
+    )
+    model: str | None = Field(
+        default=None, description="Model key of the priced replica; None: the first replica's."
+    )
+    tp: int | None = Field(
+        default=None, ge=1, description="Tensor parallel degree; None: the first replica's."
+    )
+
+
 class QuotaConfig(_Section):
     window: Literal["fixed", "sliding"] = Field(
         default="fixed",
@@ -387,6 +409,10 @@ class RouterSettings(BaseSettings):
     )
     telemetry: TelemetryConfig = Field(
         default_factory=TelemetryConfig, description="Metrics, traces, logs."
+    )
+    demand: DemandConfig = Field(
+        default_factory=DemandConfig,
+        description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
     )
 
     @field_validator("replicas")

@@ -169,6 +169,7 @@ class Exchange:
             if up.response.status_code < 400:
                 self.first_at = self.last_at = up.first_at
                 core.first_token(self.routed)
+                self.rt.demand.first_token(self.routed.request_id)
             return up
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -209,6 +210,7 @@ class Exchange:
             await self.up.aclose()
         r = self.routed
         self.rt.core.finish(r, usage.completion_tokens if usage else None)
+        self.rt.demand.finished(r.request_id)
         if self.ticket is not None:
             self.rt.fairq.release(
                 self.ticket,
@@ -299,6 +301,8 @@ async def serve_request(
             session = f"{tenant.tenant_id}:{given}" if given else None
             req = await rt.core.build(body, request_id=rid, tenant=tenant, session=session)
             reservation = await reserve_quota(rt, tenant, body, req.prompt_tokens)  # 429/503
+            # demand for the autoscaler: admitted work, until its first token / its end
+            rt.demand.arrived(rid, body.model, req.prompt_tokens, req.predicted_output_tokens)
             # the tenant's turn in the fair queue (waits while the fleet is full)
             ticket = await race_disconnect(request, rt.fairq.acquire(tenant, req))
             try:
@@ -310,12 +314,14 @@ async def serve_request(
                 _decision_attributes(span, routed)
     except ClientGone:
         rt.quotas.settle_soon(reservation, 0)  # nothing was sent
+        rt.demand.finished(rid)
         root.set_attribute("error.type", "client_closed")
         root.end()
         rt.metrics.client_disconnects.inc()
         return Response(status_code=499)
     except BaseException as exc:
         rt.quotas.settle_soon(reservation, 0)  # nothing was sent
+        rt.demand.finished(rid)
         root.set_attribute("error.type", type(exc).__name__)
         root.end()
         raise

@@ -8,6 +8,7 @@ tenancy  KeyRing: API key -> tenant (its salt derived from $CP_CACHE_SALT_SECRET
 core     RouterCore: tokenize, hash (scoped by the request's cache salt), look up, decide, reserve
 proxy    Proxy: upstream calls, retries, streaming deadlines
 quotas   token quotas per tenant (MemoryQuotaStore, or RedisQuotaStore with `redis.url`)
+demand   RouterDemand: the autoscaler's demand signal (cp_demand_*, cp_backlog_*)
 metrics  RouterMetrics (its own registry)
 """
 
@@ -27,6 +28,7 @@ from controlplane.tenancy.quota import QuotaStore
 from controlplane.tenancy.quota_redis import quota_store_for
 from router.config import ReplicaConfig, RouterSettings
 from router.core import Routed, RouterCore
+from router.demand import RouterDemand
 from router.fair_queue import FairQueue
 from router.fair_shared import fair_queue_for
 from router.fleet import LiveFleet
@@ -84,6 +86,8 @@ class RouterRuntime:
         # token quotas: reserve before dispatch, settle once (Redis when configured)
         self.quotas: QuotaStore = quota_store_for(settings)
         self.quotas.on_settle = lambda o: self.metrics.quota_settlements.labels(str(o)).inc()
+        # the demand signal the autoscaler reads from /metrics (router/demand.py)
+        self.demand = RouterDemand(settings, self.metrics.registry)
         self.fleet.on_restart(self._restarted)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()

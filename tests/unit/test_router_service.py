@@ -53,6 +53,8 @@ async def _service(**overrides: Any) -> AsyncIterator[Service]:
     ):
         yield Service(client, fakes, runtime, exporter)
         assert len(runtime.ledger) == 0, "a reservation outlived its request"
+        for meter in runtime.demand.meters.values():
+            assert (meter.in_flight, meter.backlog_requests) == (0, 0), "demand leaked"
 
 
 @pytest.fixture
@@ -176,3 +178,26 @@ async def test_decision_header_is_off_by_default() -> None:
         r = await client.post("/v1/chat/completions", json=chat())
         assert r.status_code == 200
         assert "x-cp-decision" not in r.headers
+
+
+async def test_demand_signal_counts_admitted_work_and_empties_after(svc: Service) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for stream in (False, True):
+        r = await svc.client.post("/v1/chat/completions", json=chat(max_tokens=3, stream=stream))
+        assert r.status_code == 200
+    bad = await svc.client.post("/v1/chat/completions", json={**chat(), "model": "other"})
+    assert bad.status_code == 404  # refused before admission: not demand
+    body = (await svc.client.get("/metrics")).text
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
+    }
+    m = (("model", MODEL),)
+    assert got[("cp_demand_arrivals_total", m)] == 2
+    prefill = got[("cp_demand_work_seconds_total", (("kind", "prefill"), *m))]
+    assert prefill > 0
+    assert got[("cp_demand_prefill_work_squared_seconds_total", m)] > 0
+    assert got[("cp_backlog_requests", m)] == 0
+    assert got[("cp_in_flight_requests", m)] == 0

@@ -1,0 +1,130 @@
+"""The router's demand signal for the autoscaler, as Prometheus series summable across routers.
+
+One `DemandMeter` (autoscaler/demand.py) per served model, fed from the request's life in the
+router:
+
+    admitted (quota passed, before the fair queue)   arrived: work priced with SloCapacity
+    first token                                      started (left the backlog) + TTFT
+    any end (done, error, disconnect, rejected)      finished (idempotent)
+
+The live router cannot see when a replica begins a prefill, so its backlog is "accepted and no
+first token yet": the router's queue, the replicas' waiting queues and the prefills in progress.
+
+Exported (the standalone autoscaler sums these over every router replica and differentiates the
+counters over its tick):
+
+    cp_demand_work_seconds_total{model,kind}         prefill / decode work that arrived
+    cp_demand_prefill_work_squared_seconds_total{model}   sum of squared prefill work (for SCV)
+    cp_demand_arrivals_total{model}
+    cp_backlog_work_seconds{model}, cp_backlog_requests{model}, cp_in_flight_requests{model}
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from autoscaler.capacity import SloCapacity
+from autoscaler.demand import DemandMeter
+from controlplane.roofline.profile import profile
+from router.config import RouterSettings
+
+
+def demand_capacity(settings: RouterSettings) -> SloCapacity:
+    """SloCapacity of the configured (or the first replica's) GPU, model and TP."""
+    d = settings.demand
+    first = settings.replicas[0] if settings.replicas else None
+    gpu = d.gpu or (first.gpu if first else "h100")
+    model = d.model or (first.model if first else "llama-3.1-8b")
+    tp = d.tp or (first.tp if first else 1)
+    return SloCapacity.build(profile(gpu, model, tp=tp), d.ttft_slo_s, d.tpot_slo_s)
+
+
+class RouterDemand:
+    def __init__(
+        self,
+        settings: RouterSettings,
+        registry: CollectorRegistry,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled = settings.demand.enabled
+        self.capacity = demand_capacity(settings)
+        self.clock = clock
+        self.meters: dict[str, DemandMeter] = {}
+        self._model_of: dict[str, str] = {}
+        r = registry
+        self.work = Counter(
+            "cp_demand_work_seconds",
+            "Work that arrived, in replica-seconds at the SLO, by kind (prefill, decode).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.work_sq = Counter(
+            "cp_demand_prefill_work_squared_seconds",
+            "Sum of the squared prefill work of arrivals (variability of prefill service).",
+            ["model"],
+            registry=r,
+        )
+        self.arrivals = Counter(
+            "cp_demand_arrivals", "Requests admitted (quota passed).", ["model"], registry=r
+        )
+        self.backlog_work = Gauge(
+            "cp_backlog_work_seconds",
+            "Work of admitted requests without a first token yet (replica-seconds at the SLO).",
+            ["model"],
+            registry=r,
+        )
+        self.backlog_requests = Gauge(
+            "cp_backlog_requests",
+            "Admitted requests without a first token yet.",
+            ["model"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "cp_in_flight_requests", "Admitted requests not finished.", ["model"], registry=r
+        )
+
+    def _meter(self, model: str) -> DemandMeter:
+        meter = self.meters.get(model)
+        if meter is None:
+            meter = self.meters[model] = DemandMeter(self.capacity, start_s=self.clock())
+        return meter
+
+    def _gauges(self, model: str, meter: DemandMeter) -> None:
+        self.backlog_work.labels(model).set(meter.backlog_work_s)
+        self.backlog_requests.labels(model).set(meter.backlog_requests)
+        self.in_flight.labels(model).set(meter.in_flight)
+
+    def arrived(self, request_id: str, model: str, prompt_tokens: int, predicted: int) -> None:
+        if not self.enabled or request_id in self._model_of:
+            return
+        meter = self._meter(model)
+        prefill, decode = meter.arrived(request_id, prompt_tokens, predicted, self.clock())
+        self._model_of[request_id] = model
+        self.work.labels(model, "prefill").inc(prefill)
+        self.work.labels(model, "decode").inc(decode)
+        self.work_sq.labels(model).inc(prefill * prefill)
+        self.arrivals.labels(model).inc()
+        self._gauges(model, meter)
+
+    def first_token(self, request_id: str) -> None:
+        model = self._model_of.get(request_id)
+        if model is None:
+            return
+        meter = self.meters[model]
+        meter.first_token(request_id, self.clock())
+        self._gauges(model, meter)
+
+    def finished(self, request_id: str) -> None:
+        model = self._model_of.pop(request_id, None)
+        if model is None:
+            return
+        meter = self.meters[model]
+        meter.finished(request_id, self.clock())
+        self._gauges(model, meter)
+
+
+__all__ = ["RouterDemand", "demand_capacity"]
