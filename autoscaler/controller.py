@@ -1,0 +1,367 @@
+"""The loop of the standalone hosts: scrape the routers, ask the policy, actuate, export.
+
+Every `tick_s`:
+
+1. Scrape every router's `/metrics` (concurrently) and read one model's demand: the counters
+   `cp_demand_work_seconds_total{kind="prefill"|"decode"}`, `cp_demand_arrivals_total`, and the
+   gauges `cp_backlog_work_seconds`, `cp_backlog_requests`, `cp_in_flight_requests`, each summed
+   over the routers (and over models when no model is configured).
+2. Turn the counters into the interval's amounts: per router, `delta = cur - prev`, or `cur` when
+   the counter went down (the router restarted and counts from 0 again). Baselines move only on
+   a tick where *every* router answered, so every delta spans the same interval. A tick where a
+   router is unreachable (or the very first tick, which only sets baselines) yields a NO_DATA
+   sample (`interval_s == 0`): the host holds the current target without consulting the policy.
+3. Read the fleet from the actuator (`spec`, `ready`), update the measured load time
+   (`autoscaler.hosts.LoadTimes`) and build `ScaleContext`.
+4. `policy.decide(ctx, state, now)` with the injected clock; actuate a changed target; export
+   `cp_autoscaler_decisions_total{policy,reason}`, `cp_autoscaler_target_replicas{model}`,
+   `cp_autoscaler_forecast_<figure>{model}` (from `decision.detail`) and log one JSON line.
+
+Errors never stop the loop: a failed scrape is NO_DATA, a failed fleet read or actuation is
+logged and counted (`cp_autoscaler_errors_total{stage}`) and the next tick tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from autoscaler.hosts import FleetObservation, LoadTimes
+from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
+from controlplane.errors import ConfigError
+
+log = logging.getLogger("controlplane.autoscaler")
+
+WORK = "cp_demand_work_seconds_total"
+ARRIVALS = "cp_demand_arrivals_total"
+GAUGES = ("cp_backlog_work_seconds", "cp_backlog_requests", "cp_in_flight_requests")
+COUNTERS = ("arrivals", "prefill", "decode")
+POLICIES = {"headroom": "autoscaler.headroom:headroom_policy"}
+
+
+class AutoscalerSettings(BaseSettings):
+    """The controller's settings: `CP_AUTOSCALER_*` environment variables, then explicit values."""
+
+    model_config = SettingsConfigDict(env_prefix="CP_AUTOSCALER_", extra="ignore")
+
+    routers: list[str] = Field(
+        default_factory=list, description="Base URLs of the router replicas (their /metrics)."
+    )
+    model: str = Field(default="", description="Served model to scale ('' = sum every model).")
+    policy: str = Field(
+        default="headroom", description="Policy name (headroom) or import path `module:factory`."
+    )
+    policy_params: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments of the policy factory."
+    )
+    tick_s: float = Field(default=10.0, gt=0, description="Seconds between two decisions.")
+    load_time_s: float = Field(
+        default=120.0, gt=0, description="Replica start-to-ready time until one is measured."
+    )
+    min_replicas: int = Field(default=1, ge=0, description="Lower bound of the target.")
+    max_replicas: int = Field(default=64, ge=1, description="Upper bound of the target.")
+    scrape_timeout_s: float = Field(default=3.0, gt=0, description="Timeout of one /metrics GET.")
+
+
+def load_policy(name: str, params: Mapping[str, Any]) -> ScalingPolicy[Any]:
+    """A policy by registered name or `module:attr` import path, built with `params`."""
+    path = POLICIES.get(name, name)
+    module, _, attr = path.partition(":")
+    if not attr:
+        raise ConfigError(f"unknown policy {name!r}: use one of {sorted(POLICIES)} or module:attr")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"cannot import policy {path!r}: {exc}") from None
+    policy: ScalingPolicy[Any] = factory(**params)
+    return policy
+
+
+# -- demand ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class RouterReading:
+    """One router's demand metrics: cumulative counters and current gauges."""
+
+    counters: Mapping[str, float]  # arrivals, prefill, decode
+    gauges: Mapping[str, float]  # the GAUGES names
+
+
+def parse_router_metrics(text: str, model: str = "") -> RouterReading:
+    """The demand metrics of one router's exposition (`model` '' = every model)."""
+    counters = dict.fromkeys(COUNTERS, 0.0)
+    gauges = dict.fromkeys(GAUGES, 0.0)
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if model and s.labels.get("model", model) != model:
+                continue
+            if s.name == ARRIVALS:
+                counters["arrivals"] += s.value
+            elif s.name == WORK and s.labels.get("kind") in ("prefill", "decode"):
+                counters[s.labels["kind"]] += s.value
+            elif s.name in gauges:
+                gauges[s.name] += s.value
+    return RouterReading(counters, gauges)
+
+
+def counter_delta(prev: float, cur: float) -> float:
+    """Increase of a counter between two readings; a decrease means it restarted from 0."""
+    return cur - prev if cur >= prev else cur
+
+
+@dataclass
+class DemandAccumulator:
+    """Counter readings of several routers -> one `DemandSample` per interval."""
+
+    baselines: dict[str, Mapping[str, float]] = field(default_factory=dict)
+    last_t: float | None = None
+    last_in_flight: float = 0.0
+
+    def update(self, now: float, readings: Mapping[str, RouterReading | None]) -> DemandSample:
+        if not readings or any(r is None for r in readings.values()):
+            return DemandSample(t_s=self.last_t if self.last_t is not None else now, interval_s=0.0)
+        ok = {url: r for url, r in readings.items() if r is not None}
+        sums = dict.fromkeys(COUNTERS, 0.0)
+        for url, r in ok.items():
+            prev = self.baselines.get(url)
+            for k in COUNTERS:
+                sums[k] += counter_delta(prev[k], r.counters[k]) if prev is not None else 0.0
+        gauges = {g: sum(r.gauges[g] for r in ok.values()) for g in GAUGES}
+        first = self.last_t is None
+        interval = 0.0 if self.last_t is None else max(0.0, now - self.last_t)
+        in_flight = gauges["cp_in_flight_requests"]
+        avg = (self.last_in_flight + in_flight) / 2
+        self.baselines = {url: r.counters for url, r in ok.items()}
+        self.last_t, self.last_in_flight = now, in_flight
+        if first:
+            return DemandSample(t_s=now, interval_s=0.0)
+        arrivals = round(sums["arrivals"])
+        return DemandSample(
+            t_s=now,
+            interval_s=interval,
+            arrivals=arrivals,
+            prefill_work_s=sums["prefill"],
+            decode_work_s=sums["decode"],
+            backlog_requests=round(gauges["cp_backlog_requests"]),
+            backlog_work_s=gauges["cp_backlog_work_seconds"],
+            in_flight=round(in_flight),
+            in_flight_avg=avg,
+            prefill_mean_s=sums["prefill"] / arrivals if arrivals else 0.0,
+        )
+
+
+class RouterScraper:
+    """GETs every router's /metrics concurrently; an unreachable router reads as None."""
+
+    def __init__(self, urls: Sequence[str], model: str, client: httpx.AsyncClient) -> None:
+        self.urls = [u.rstrip("/") for u in urls]
+        self.model = model
+        self.client = client
+
+    async def _one(self, url: str) -> RouterReading | None:
+        try:
+            resp = await self.client.get(f"{url}/metrics")
+            resp.raise_for_status()
+            return parse_router_metrics(resp.text, self.model)
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("router %s: /metrics unavailable: %s", url, exc)
+            return None
+
+    async def scrape(self) -> dict[str, RouterReading | None]:
+        results = await asyncio.gather(*(self._one(u) for u in self.urls))
+        return dict(zip(self.urls, results, strict=True))
+
+
+# -- actuation ------------------------------------------------------------------------------------
+class Actuator(Protocol):
+    """Reads the fleet and applies a target (Kubernetes scale, advisory log, KEDA metric)."""
+
+    mode: str
+
+    async def observe(self) -> FleetObservation | None:
+        """The fleet now; None when this actuator cannot see it (then the last target is
+        assumed ready)."""
+        ...
+
+    async def apply(self, target: int, decision: ScaleDecision, fleet: FleetObservation) -> bool:
+        """Make `target` the fleet's size (or publish/log it); True when the fleet's `spec` is
+        now `target` (what the load-time measurement dates its orders by)."""
+        ...
+
+
+class ControllerMetrics:
+    """The controller's Prometheus metrics, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "cp_autoscaler_decisions", "Decisions.", ["policy", "reason"], registry=r
+        )
+        self.target = Gauge("cp_autoscaler_target_replicas", "Target.", ["model"], registry=r)
+        self.ready = Gauge("cp_autoscaler_ready_replicas", "Serving.", ["model"], registry=r)
+        self.loading = Gauge("cp_autoscaler_loading_replicas", "Loading.", ["model"], registry=r)
+        self.load_time = Gauge(
+            "cp_autoscaler_load_time_seconds", "Measured load time.", ["model"], registry=r
+        )
+        self.demand = Gauge(
+            "cp_autoscaler_demand_rate", "Arrived work/s (replicas).", ["model"], registry=r
+        )
+        self.backlog = Gauge(
+            "cp_autoscaler_backlog_work_seconds", "Backlog work.", ["model"], registry=r
+        )
+        self.errors = Counter("cp_autoscaler_errors", "Failed steps.", ["stage"], registry=r)
+        self._figures: dict[str, Gauge] = {}
+
+    def figure(self, name: str) -> Gauge:
+        key = re.sub(r"[^a-zA-Z0-9_]", "_", name)
+        if key not in self._figures:
+            self._figures[key] = Gauge(
+                f"cp_autoscaler_forecast_{key}", f"Decision figure {name}.", ["model"],
+                registry=self.registry,
+            )  # fmt: skip
+        return self._figures[key]
+
+
+@dataclass(frozen=True, slots=True)
+class TickResult:
+    decision: ScaleDecision
+    sample: DemandSample
+    fleet: FleetObservation
+    applied: bool
+
+
+class Controller:
+    """One model's autoscaling loop (clock injected; `tick()` is one decision)."""
+
+    def __init__(
+        self,
+        settings: AutoscalerSettings,
+        policy: ScalingPolicy[Any],
+        actuator: Actuator,
+        scraper: RouterScraper,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: ControllerMetrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.policy = policy
+        self.actuator = actuator
+        self.scraper = scraper
+        self.clock = clock
+        self.metrics = metrics or ControllerMetrics()
+        self.state: Any = policy.initial_state()
+        self.demand = DemandAccumulator()
+        self.load_times = LoadTimes(settings.load_time_s)
+        self.last: FleetObservation | None = None
+        self.decision: ScaleDecision | None = None
+        self.label = settings.model or "all"
+
+    async def _observe(self) -> FleetObservation | None:
+        try:
+            fleet = await self.actuator.observe()
+        except Exception as exc:
+            self.metrics.errors.labels("observe").inc()
+            log.error("cannot read the fleet (%s): %s", self.actuator.mode, exc)
+            return None
+        if fleet is None:  # not observable: the last target, assumed ready
+            fleet = self.last or FleetObservation(self.settings.min_replicas, 0)
+            fleet = FleetObservation(fleet.spec, fleet.spec)
+        return fleet
+
+    async def tick(self) -> TickResult | None:
+        """One decision; None when the fleet could not be read (nothing decided)."""
+        readings = await self.scraper.scrape()
+        now = self.clock()
+        sample = self.demand.update(now, readings)
+        fleet = await self._observe()
+        if fleet is None:
+            return None
+        if self.last is not None:
+            self.load_times = self.load_times.ordered(now, self.last.spec, fleet.spec)
+        self.load_times = self.load_times.observed(now, fleet.ready)
+        self.last = fleet
+        s = self.settings
+        ctx = ScaleContext(
+            sample=sample,
+            fleet=fleet.counts(self.load_times, now),
+            load_time_s=self.load_times.estimate_s,
+            min_replicas=s.min_replicas,
+            max_replicas=s.max_replicas,
+            tick_s=s.tick_s,
+        )
+        if sample.interval_s <= 0:
+            decision = ScaleDecision(fleet.spec, ScaleReason.NO_DATA)
+        else:
+            decision, self.state = self.policy.decide(ctx, self.state, now)
+        self.decision = decision
+        applied = False
+        try:
+            applied = await self.actuator.apply(decision.target, decision, fleet)
+        except Exception as exc:
+            self.metrics.errors.labels("apply").inc()
+            log.error("cannot apply target %d (%s): %s", decision.target, self.actuator.mode, exc)
+        if applied and decision.target != fleet.spec:
+            self.load_times = self.load_times.ordered(now, fleet.spec, decision.target)
+            self.last = FleetObservation(decision.target, fleet.ready)
+        self._export(ctx, decision)
+        return TickResult(decision, sample, fleet, applied)
+
+    def _export(self, ctx: ScaleContext, decision: ScaleDecision) -> None:
+        m, lbl = self.metrics, self.label
+        m.decisions.labels(self.policy.name, str(decision.reason)).inc()
+        m.target.labels(lbl).set(decision.target)
+        m.ready.labels(lbl).set(ctx.fleet.ready)
+        m.loading.labels(lbl).set(ctx.fleet.loading)
+        m.load_time.labels(lbl).set(ctx.load_time_s)
+        m.demand.labels(lbl).set(ctx.sample.rate)
+        m.backlog.labels(lbl).set(ctx.sample.backlog_work_s)
+        for name, value in decision.detail:
+            m.figure(name).labels(lbl).set(value)
+        line = {
+            "event": "autoscale_decision", "mode": self.actuator.mode, "model": lbl,
+            "policy": self.policy.name, "target": decision.target, "reason": str(decision.reason),
+            "ready": ctx.fleet.ready, "loading": ctx.fleet.loading,
+            "load_time_s": round(ctx.load_time_s, 3), "rate": round(ctx.sample.rate, 4),
+            "backlog_work_s": round(ctx.sample.backlog_work_s, 4), **decision.figures(),
+        }  # fmt: skip
+        log.info(json.dumps(line, sort_keys=True))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick every `tick_s` until `stop` is set; nothing raised by a tick ends the loop."""
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:
+                self.metrics.errors.labels("tick").inc()
+                log.exception("autoscaler tick failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.settings.tick_s)
+
+
+__all__ = [
+    "Actuator",
+    "AutoscalerSettings",
+    "Controller",
+    "ControllerMetrics",
+    "DemandAccumulator",
+    "RouterReading",
+    "RouterScraper",
+    "TickResult",
+    "counter_delta",
+    "load_policy",
+    "parse_router_metrics",
+]

@@ -1,0 +1,277 @@
+"""The headroom policy: plan on the lead time, staff to the SLO utilization, shed by ski-rental.
+
+Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the SLO):
+
+1. NO_DATA: `interval_s <= 0` or the sample is older than `stale_ticks` ticks: hold (bounds
+   still apply) and leave the forecaster untouched.
+2. Feed the forecaster (`autoscaler.forecast`) with the rate `r = prefill + decode work / s`,
+   its horizon set to the lead time `L = load_time_s + tick_s`.
+3. Utilization target `rho* = capacity.utilization_target(E[prefill], C2)` (the last seen
+   prefill moments when the interval had no arrivals; defaults before any).
+4. Need, rate and backlog kept apart (anchors §4):
+       R          = peak(L)                             forecast peak over [now, now + L]
+       need_rate  = (R + sqrt(beta^2 R + (z sigma_L)^2)) / rho*
+       need_back  = backlog_work_s / drain_time_s      (drain_time_s defaults to L)
+       up         = ceil(need_rate + need_back + spare)
+   `sigma_L` is the forecaster's own error at horizon L, upside only (the RMS of its
+   under-forecasts, so a positive bias is included and a missed drop does not count);
+   `beta sqrt(R)` is square-root staffing for the Poisson granularity, combined with
+   `z sigma_L` in quadrature.
+5. Target. Loading replicas are capacity arriving: everything is compared with
+   `current = ready + loading`.
+   - warming up (less than `warmup_s` of history): `max(current, up)`, never down (WARMING_UP);
+   - `up > current`: `up` (FORECAST_UP, or BACKLOG_DRAIN when the rate alone fits `current`);
+   - `ready < up <= current` with replicas loading: hold (LOADING_COVERS);
+   - otherwise scale-down by ski-rental: `keep` = the same need with the forecast peak over the
+     look-ahead `L + reuse_horizon_s` (a replica the forecast wants back within a load time
+     plus the re-use horizon is kept). If `keep < current` the surplus timer runs; an idle
+     replica costs 1 replica-second per second and removing it costs `reload_cost_s` (default
+     `load_time_s x 1 replica`) when it is needed again, so the surplus is shed only once it has
+     lasted the break-even time `reload_cost_s / 1` (the deterministic 2-competitive
+     ski-rental rule): SCALE_DOWN, else DOWN_NOT_WORTH_IT. Any tick without surplus resets it.
+6. Limits, in order: clip to `[min_replicas, max_replicas]` (AT_MIN / AT_MAX); hysteresis (a
+   step against the last step's direction within `hysteresis_s` of the last direction change
+   is refused: at most one change per window, RATE_LIMITED); `max_step_up` / `max_step_down`
+   per decision (RATE_LIMITED); the bounds win over the rate limits when `current` lies outside
+   them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from autoscaler.forecast import (
+    ForecastConfig,
+    ForecastState,
+    bias_at_horizon,
+    current_level,
+    observe,
+    peak,
+    sigma_at_horizon,
+    upside_sigma_at_horizon,
+)
+from autoscaler.types import ScaleContext, ScaleDecision, ScaleReason
+
+_EPS = 1e-9
+
+
+class UtilizationModel(Protocol):
+    """What the policy needs from `autoscaler.capacity.SloCapacity`."""
+
+    def utilization_target(self, prefill_mean_s: float, prefill_scv: float) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class HeadroomConfig:
+    capacity: UtilizationModel
+    z: float = 2.33  # 1% probability that demand at the horizon exceeds the forecast + z sigma
+    beta: float = 0.5  # square-root staffing; rho* already budgets per-replica queueing
+    spare: int = 0  # N+1 reserve (see the report: a failure within L is rarer than 1%)
+    drain_time_s: float | None = None  # None: the lead time
+    max_step_up: int = 8
+    max_step_down: int = 1  # consolidate one replica at a time
+    reload_cost_s: float | None = None  # GPU-seconds; None: load_time_s x 1 replica
+    reuse_horizon_s: float = 600.0
+    hysteresis_s: float = 300.0
+    warmup_s: float = 60.0
+    stale_ticks: float = 3.0
+    peak_steps: int = 16
+    default_prefill_mean_s: float = 0.1
+    default_prefill_scv: float = 1.0
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class HeadroomState:
+    forecast: ForecastState = field(default_factory=ForecastState)
+    last_dir: int = 0  # direction of the last step: +1, -1, 0 (none yet)
+    last_step_s: float = -math.inf
+    last_change_s: float = -math.inf  # when the direction last changed
+    last_target: int = -1
+    history: int = 0  # samples folded into the forecaster
+    surplus_since_s: float | None = None
+    prefill_mean_s: float = 0.0  # last seen prefill moments (0: none yet)
+    prefill_scv: float = 1.0
+
+
+def staffed(rate: float, sigma: float, rho: float, z: float, beta: float) -> float:
+    """Replicas for a forecast `rate` with error `sigma`: `(R + sqrt(b^2 R + (z s)^2)) / rho`."""
+    r = max(0.0, rate)
+    return (r + math.sqrt(beta * beta * r + (z * sigma) ** 2)) / rho
+
+
+def _ceil(x: float) -> int:
+    return max(0, math.ceil(x - _EPS))
+
+
+class HeadroomPolicy:
+    """Lead-time headroom autoscaler (see the module docstring)."""
+
+    name = "headroom"
+
+    def __init__(self, config: HeadroomConfig) -> None:
+        self.config = config
+
+    def initial_state(self) -> HeadroomState:
+        return HeadroomState()
+
+    def decide(
+        self, ctx: ScaleContext, state: HeadroomState, now: float
+    ) -> tuple[ScaleDecision, HeadroomState]:
+        cfg = self.config
+        s, fleet = ctx.sample, ctx.fleet
+        current = fleet.current
+        lead = ctx.load_time_s + ctx.tick_s
+        base = (
+            ("ready", float(fleet.ready)),
+            ("loading", float(fleet.loading)),
+            ("current", float(current)),
+            ("lead_time_s", lead),
+        )
+        if s.interval_s <= 0 or now - s.t_s > cfg.stale_ticks * max(ctx.tick_s, s.interval_s):
+            detail = (*base, ("sample_age_s", now - s.t_s))
+            return self._finish(ctx, state, now, current, ScaleReason.NO_DATA, detail, state)
+
+        fcfg = replace(cfg.forecast, horizon_s=lead)
+        fst = observe(fcfg, state.forecast, s.t_s, s.rate)
+        pm, scv = state.prefill_mean_s, state.prefill_scv
+        if s.arrivals > 0 and s.prefill_mean_s > 0:
+            pm, scv = s.prefill_mean_s, s.prefill_scv
+        rho = cfg.capacity.utilization_target(
+            pm if pm > 0 else cfg.default_prefill_mean_s, scv if pm > 0 else cfg.default_prefill_scv
+        )
+        rho = min(1.0, max(0.05, rho))
+        sigma = upside_sigma_at_horizon(fcfg, fst)
+        pk = peak(fcfg, fst, lead, cfg.peak_steps)
+        pk_keep = peak(fcfg, fst, lead + cfg.reuse_horizon_s, cfg.peak_steps)
+        need_rate = staffed(pk, sigma, rho, cfg.z, cfg.beta)
+        need_back = max(0.0, s.backlog_work_s) / (cfg.drain_time_s or lead)
+        up = _ceil(need_rate + need_back + cfg.spare)
+        keep = max(up, _ceil(staffed(pk_keep, sigma, rho, cfg.z, cfg.beta) + need_back + cfg.spare))
+        keep = min(ctx.max_replicas, max(ctx.min_replicas, keep))
+        break_even = (ctx.load_time_s if cfg.reload_cost_s is None else cfg.reload_cost_s) / 1.0
+        warming = fst.n < 2 or fst.t_s - fst.t_first_s < cfg.warmup_s
+
+        surplus: float | None = None
+        if warming:
+            desired, reason = max(current, up), ScaleReason.WARMING_UP
+        elif up > current:
+            rate_only = _ceil(need_rate + cfg.spare) > current
+            desired = up
+            reason = ScaleReason.FORECAST_UP if rate_only else ScaleReason.BACKLOG_DRAIN
+        elif fleet.loading > 0 and up > fleet.ready:
+            desired, reason = current, ScaleReason.LOADING_COVERS
+        elif keep >= current:
+            desired, reason = current, ScaleReason.HOLD
+            if keep == ctx.min_replicas and up < keep:
+                reason = ScaleReason.AT_MIN
+        else:
+            surplus = now if state.surplus_since_s is None else state.surplus_since_s
+            if now - surplus >= break_even:
+                desired, reason = keep, ScaleReason.SCALE_DOWN
+            else:
+                desired, reason = current, ScaleReason.DOWN_NOT_WORTH_IT
+
+        figures: tuple[tuple[str, float], ...] = (
+            *base,
+            ("rate", s.rate),
+            ("level", current_level(fcfg, fst)),
+            ("trend", fst.trend),
+            ("forecast_peak", pk),
+            ("forecast_peak_keep", pk_keep),
+            ("sigma_h", sigma),
+            ("sigma_h_sym", sigma_at_horizon(fcfg, fst)),
+            ("bias_h", bias_at_horizon(fcfg, fst)),
+            ("rho_target", rho),
+            ("need_rate", need_rate),
+            ("need_backlog", need_back),
+            ("need", float(up)),
+            ("keep", float(keep)),
+            ("surplus_s", 0.0 if surplus is None else now - surplus),
+            ("break_even_s", break_even),
+        )
+        new = replace(
+            state,
+            forecast=fst,
+            history=state.history + 1,
+            surplus_since_s=surplus,
+            prefill_mean_s=pm,
+            prefill_scv=scv,
+        )
+        return self._finish(ctx, state, now, desired, reason, figures, new)
+
+    def _finish(
+        self,
+        ctx: ScaleContext,
+        old: HeadroomState,
+        now: float,
+        desired: int,
+        reason: ScaleReason,
+        detail: tuple[tuple[str, float], ...],
+        new: HeadroomState,
+    ) -> tuple[ScaleDecision, HeadroomState]:
+        """Apply the bounds, the hysteresis and the step limits; record the direction."""
+        cfg = self.config
+        current = ctx.fleet.current
+        lo, hi = ctx.min_replicas, max(ctx.min_replicas, ctx.max_replicas)
+        bounded = min(hi, max(lo, desired))
+        if bounded != desired:
+            reason = ScaleReason.AT_MAX if desired > hi else ScaleReason.AT_MIN
+        step = bounded - current
+        direction = (step > 0) - (step < 0)
+        blocked = (
+            direction != 0
+            and old.last_dir not in (0, direction)
+            and now - old.last_change_s < cfg.hysteresis_s
+        )
+        if blocked:
+            step, reason = 0, ScaleReason.RATE_LIMITED
+        limited = max(-cfg.max_step_down, min(cfg.max_step_up, step))
+        if limited != step:
+            reason = ScaleReason.RATE_LIMITED
+        target = current + limited
+        if not lo <= target <= hi:
+            reason = ScaleReason.AT_MAX if target > hi else ScaleReason.AT_MIN
+            target = min(hi, max(lo, target))
+        step = target - current
+        direction = (step > 0) - (step < 0)
+        if direction != 0:
+            changed = old.last_dir not in (0, direction)
+            new = replace(
+                new,
+                last_dir=direction,
+                last_step_s=now,
+                last_change_s=now if changed else old.last_change_s,
+            )
+        detail = (*detail, ("hysteresis_blocked", float(blocked)), ("target", float(target)))
+        return ScaleDecision(target, reason, detail), replace(new, last_target=target)
+
+
+def headroom_policy(
+    gpu: str = "h100",
+    model: str = "llama-3.1-8b",
+    tp: int = 1,
+    ttft_slo_s: float = 2.0,
+    tpot_slo_s: float = 0.1,
+    **overrides: float,
+) -> HeadroomPolicy:
+    """A factory from plain values (a config file's `policy_params`): the capacity at the SLO
+    of a roofline profile, and numeric `HeadroomConfig` fields as overrides."""
+    from autoscaler.capacity import SloCapacity
+    from controlplane.roofline import profile
+
+    capacity = SloCapacity.build(profile(gpu, model, tp=tp), ttft_slo_s, tpot_slo_s)
+    config = replace(HeadroomConfig(capacity), **overrides)  # type: ignore[arg-type]
+    return HeadroomPolicy(config)
+
+
+__all__ = [
+    "HeadroomConfig",
+    "HeadroomPolicy",
+    "HeadroomState",
+    "UtilizationModel",
+    "headroom_policy",
+    "staffed",
+]

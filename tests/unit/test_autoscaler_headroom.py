@@ -1,0 +1,336 @@
+"""The headroom policy: loading replicas count, no flapping, bounds and rate limits, the backlog
+term, ski-rental scale-down, reasons and determinism. Contexts are built directly."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoscaler.capacity import SloCapacity
+from autoscaler.forecast import ForecastConfig
+from autoscaler.headroom import (
+    HeadroomConfig,
+    HeadroomPolicy,
+    HeadroomState,
+    headroom_policy,
+    staffed,
+)
+from autoscaler.types import (
+    DemandSample,
+    FleetCounts,
+    ScaleContext,
+    ScaleDecision,
+    ScaleReason,
+    ScalingPolicy,
+)
+from controlplane.roofline import profile
+
+TICK = 10.0
+LOAD = 240.0
+
+
+@dataclass(frozen=True, slots=True)
+class ConstRho:
+    """Stand-in for `SloCapacity`: a fixed utilization target."""
+
+    rho: float = 0.8
+
+    def utilization_target(self, prefill_mean_s: float, prefill_scv: float) -> float:
+        return self.rho
+
+
+def sample(t: float, rate: float, backlog: float = 0.0, interval: float = TICK) -> DemandSample:
+    return DemandSample(
+        t_s=t,
+        interval_s=interval,
+        arrivals=10,
+        prefill_work_s=0.25 * rate * interval,
+        decode_work_s=0.75 * rate * interval,
+        backlog_work_s=backlog,
+        prefill_mean_s=0.1,
+    )
+
+
+def context(
+    s: DemandSample, ready: int, loading: int = 0, lo: int = 1, hi: int = 64, load: float = LOAD
+) -> ScaleContext:
+    return ScaleContext(s, FleetCounts(ready, loading), load, lo, hi, TICK)
+
+
+Run = list[tuple[float, ScaleDecision]]
+
+
+def drive(
+    policy: HeadroomPolicy, rates: list[float], start: int, load: float = LOAD
+) -> tuple[Run, HeadroomState]:
+    """A fleet that applies every target at once (current = the last target)."""
+    state, current, out = policy.initial_state(), start, []
+    for i, rate in enumerate(rates):
+        t = i * TICK
+        decision, state = policy.decide(context(sample(t, rate), current, load=load), state, t)
+        out.append((t, decision))
+        current = decision.target
+    return out, state
+
+
+def changes(run: Run, start: int) -> list[float]:
+    """Times at which the target's direction of movement reversed."""
+    steps, prev = [], start
+    for t, d in run:
+        if d.target != prev:
+            steps.append((t, 1 if d.target > prev else -1))
+        prev = d.target
+    return [t for (_, a), (t, b) in itertools.pairwise(steps) if a != b]
+
+
+def warmed(policy: HeadroomPolicy, rate: float, ready: int, ticks: int = 40) -> HeadroomState:
+    state = policy.initial_state()
+    for i in range(ticks):
+        _, state = policy.decide(context(sample(i * TICK, rate), ready), state, i * TICK)
+    return state
+
+
+POLICY = HeadroomPolicy(HeadroomConfig(ConstRho(0.8)))
+_CONFORMS: ScalingPolicy[HeadroomState] = POLICY  # mypy checks the protocol
+
+
+def test_policy_name_and_initial_state() -> None:
+    assert POLICY.name == "headroom"
+    assert POLICY.initial_state() == HeadroomState()
+
+
+# -- loading replicas are supply ------------------------------------------------------------------
+def test_steady_rate_three_needs_five() -> None:
+    assert staffed(3.0, 0.0, 0.8, 2.33, 0.5) == pytest.approx((3.0 + 0.5 * 3.0**0.5) / 0.8)
+    state = warmed(POLICY, 3.0, 5)
+    d, _ = POLICY.decide(context(sample(400.0, 3.0), 5), state, 400.0)
+    assert (d.target, d.reason) == (5, ScaleReason.HOLD)
+
+
+@pytest.mark.parametrize(
+    ("ready", "loading", "target", "reason"),
+    [
+        (2, 3, 5, ScaleReason.LOADING_COVERS),
+        (0, 5, 5, ScaleReason.LOADING_COVERS),
+        (4, 1, 5, ScaleReason.LOADING_COVERS),
+        (2, 0, 5, ScaleReason.FORECAST_UP),  # the same need without loading replicas orders 3
+        (2, 2, 5, ScaleReason.FORECAST_UP),
+    ],
+)
+def test_loading_replicas_count_as_capacity_arriving(
+    ready: int, loading: int, target: int, reason: ScaleReason
+) -> None:
+    state = warmed(POLICY, 3.0, 5)
+    d, _ = POLICY.decide(context(sample(400.0, 3.0), ready, loading), state, 400.0)
+    assert (d.target, d.reason) == (target, reason)
+
+
+# -- no flapping ----------------------------------------------------------------------------------
+EAGER = ForecastConfig(alpha=0.6, beta=0.1, shift_confirm_s=20.0, season_s=0.0)
+SAWTOOTH = [2.0 + 6.0 * ((i * TICK) % 120.0) / 120.0 for i in range(360)]  # period 120 s
+
+
+@pytest.mark.parametrize("hysteresis", [150.0, 300.0, 900.0])
+def test_sawtooth_gives_at_most_one_direction_change_per_hysteresis_window(
+    hysteresis: float,
+) -> None:
+    # a policy made to flap (20 s loads, no re-use horizon, no reload cost, an eager forecaster)
+    def eager(h: float) -> HeadroomPolicy:
+        return HeadroomPolicy(
+            HeadroomConfig(
+                ConstRho(0.8),
+                reuse_horizon_s=0.0,
+                reload_cost_s=0.0,
+                hysteresis_s=h,
+                max_step_down=8,
+                warmup_s=0.0,
+                forecast=EAGER,
+            )
+        )
+
+    flips = changes(drive(eager(0.0), SAWTOOTH, 10, load=20.0)[0], 10)
+    assert any(b - a < hysteresis for a, b in itertools.pairwise(flips))  # it flaps
+    run, _ = drive(eager(hysteresis), SAWTOOTH, 10, load=20.0)
+    flips = changes(run, 10)
+    assert len(flips) >= 2
+    assert all(b - a >= hysteresis for a, b in itertools.pairwise(flips))
+
+
+def test_default_policy_settles_under_a_sawtooth_and_then_never_scales_down() -> None:
+    # the warm-up overshoots (random-walk sigma fallback, no way down while warming up); once
+    # the horizon residuals exist the surplus is shed, and the peak over the re-use look-ahead
+    # then keeps every tooth's replicas
+    run, _ = drive(POLICY, SAWTOOTH, 10)
+    flips = changes(run, 10)
+    assert all(b - a >= POLICY.config.hysteresis_s for a, b in itertools.pairwise(flips))
+    targets = [d.target for t, d in run if t >= 1200.0]
+    assert all(b >= a for a, b in itertools.pairwise(targets))
+    assert max(targets) <= staffed_target(8.0) + 4
+
+
+# -- bounds and rate limits -----------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(
+    rates=st.lists(st.floats(0.0, 200.0), min_size=1, max_size=12),
+    backlog=st.floats(0.0, 5000.0),
+    ready=st.integers(0, 80),
+    loading=st.integers(0, 20),
+    lo=st.integers(0, 10),
+    span=st.integers(0, 40),
+    up=st.integers(1, 10),
+    down=st.integers(1, 10),
+    rho=st.floats(0.05, 1.0),
+)
+def test_bounds_and_rate_limits_hold_for_any_sample_and_fleet(
+    rates: list[float],
+    backlog: float,
+    ready: int,
+    loading: int,
+    lo: int,
+    span: int,
+    up: int,
+    down: int,
+    rho: float,
+) -> None:
+    policy = HeadroomPolicy(HeadroomConfig(ConstRho(rho), max_step_up=up, max_step_down=down))
+    hi = lo + span
+    state = policy.initial_state()
+    for i, rate in enumerate(rates):
+        t = i * TICK
+        ctx = ScaleContext(
+            sample(t, rate, backlog), FleetCounts(ready, loading), LOAD, lo, hi, TICK
+        )
+        d, state = policy.decide(ctx, state, t)
+        assert isinstance(d.reason, ScaleReason)
+        assert lo <= d.target <= hi
+        current = ready + loading
+        if lo <= current <= hi:
+            assert -down <= d.target - current <= up
+        else:  # the bounds win over the rate limits
+            assert -max(down, current - hi) <= d.target - current <= max(up, lo - current)
+        ready, loading = d.target, 0
+
+
+# -- backlog --------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("backlog", "target"), [(0.0, 5), (100.0, 6), (500.0, 10), (1000.0, 15)])
+def test_backlog_term_adds_backlog_over_drain_time(backlog: float, target: int) -> None:
+    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), drain_time_s=100.0, max_step_up=64))
+    state = warmed(policy, 3.0, 5)
+    d, _ = policy.decide(context(sample(400.0, 3.0, backlog), 5), state, 400.0)
+    assert d.target == target
+    assert d.figures()["need_backlog"] == pytest.approx(backlog / 100.0)
+    assert d.reason == (ScaleReason.HOLD if backlog == 0 else ScaleReason.BACKLOG_DRAIN)
+
+
+# -- ski-rental scale-down ------------------------------------------------------------------------
+def test_a_brief_dip_does_not_scale_down() -> None:
+    rates = [8.0] * 60 + [1.0] * 6 + [8.0] * 100
+    run, _ = drive(POLICY, rates, 12)
+    targets = [d.target for t, d in run if t >= 300.0]
+    assert min(targets) >= 12
+    assert all(d.reason != ScaleReason.SCALE_DOWN for _, d in run)
+
+
+def test_a_sustained_drop_scales_down_after_the_break_even_time() -> None:
+    rates = [8.0] * 60 + [1.0] * 200
+    run, _ = drive(POLICY, rates, 12)
+    downs = [(t, d) for t, d in run if d.reason == ScaleReason.SCALE_DOWN]
+    assert downs and run[-1][1].target < 12
+    first_t, _first = next((t, d) for t, d in run if d.target < 12)
+    assert first_t >= 600.0 + LOAD  # the surplus had to last the reload cost / idle cost
+    assert any(d.reason == ScaleReason.DOWN_NOT_WORTH_IT for t, d in run if t < first_t)
+    figures = downs[0][1].figures()
+    assert figures["surplus_s"] >= figures["break_even_s"] == LOAD
+    assert run[-1][1].target == staffed_target(1.0)
+
+
+def staffed_target(rate: float) -> int:
+    return -int(-staffed(rate, 0.0, 0.8, 2.33, 0.5) // 1)
+
+
+def test_a_shorter_reload_sheds_sooner() -> None:
+    fast = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), reload_cost_s=60.0))
+    rates = [8.0] * 60 + [1.0] * 100
+    first = {
+        name: next(t for t, d in drive(p, rates, 12)[0] if d.target < 12)
+        for name, p in (("default", POLICY), ("fast", fast))
+    }
+    assert first["fast"] < first["default"]
+
+
+# -- no data, warm-up, reasons, determinism -------------------------------------------------------
+@pytest.mark.parametrize(
+    "s", [sample(400.0, 3.0, interval=0.0), sample(300.0, 3.0)], ids=["no-interval", "stale"]
+)
+def test_missing_or_stale_samples_hold_and_leave_the_forecaster_alone(s: DemandSample) -> None:
+    state = warmed(POLICY, 3.0, 5)
+    d, nxt = POLICY.decide(context(s, 7), state, 400.0)
+    assert (d.target, d.reason) == (7, ScaleReason.NO_DATA)
+    assert nxt.forecast == state.forecast
+
+
+def test_warming_up_never_goes_down_but_may_go_up() -> None:
+    state = POLICY.initial_state()
+    d, state = POLICY.decide(context(sample(0.0, 1.0), 20), state, 0.0)
+    assert (d.target, d.reason) == (20, ScaleReason.WARMING_UP)
+    d, _ = POLICY.decide(context(sample(10.0, 6.0), 2), state, 10.0)
+    assert d.target > 2 and d.reason == ScaleReason.WARMING_UP
+
+
+def test_detail_carries_the_figures() -> None:
+    state = warmed(POLICY, 3.0, 5)
+    d, _ = POLICY.decide(context(sample(400.0, 3.0, 50.0), 5), state, 400.0)
+    figures = d.figures()
+    for key in ("rate", "level", "trend", "forecast_peak", "sigma_h", "rho_target", "need_rate"):
+        assert key in figures
+    assert figures["rate"] == pytest.approx(3.0)
+    assert figures["rho_target"] == pytest.approx(0.8)
+    assert figures["forecast_peak"] >= figures["level"]
+
+
+def test_rho_comes_from_the_slo_capacity() -> None:
+    capacity = SloCapacity.build(profile("h100", "llama-3.1-8b"), ttft_slo_s=2.0, tpot_slo_s=0.05)
+    policy = HeadroomPolicy(HeadroomConfig(capacity))
+    s = DemandSample(400.0, TICK, 10, 1.0, 20.0, prefill_mean_s=0.1, prefill_scv=2.0)
+    d, _ = policy.decide(context(s, 5), policy.initial_state(), 400.0)
+    assert d.figures()["rho_target"] == pytest.approx(capacity.utilization_target(0.1, 2.0))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rates=st.lists(st.floats(0.0, 50.0), min_size=1, max_size=40), start=st.integers(0, 30))
+def test_decide_is_deterministic(rates: list[float], start: int) -> None:
+    a, sa = drive(POLICY, rates, start)
+    b, sb = drive(POLICY, rates, start)
+    assert a == b
+    assert sa == sb
+    assert all(isinstance(d.reason, ScaleReason) for _, d in a)
+
+
+@pytest.mark.parametrize(
+    ("rate", "current", "lo", "hi", "target", "reason"),
+    [
+        (8.0, 6, 1, 8, 8, ScaleReason.AT_MAX),  # needs 12
+        (8.0, 8, 1, 8, 8, ScaleReason.AT_MAX),
+        (1.0, 6, 6, 64, 6, ScaleReason.AT_MIN),  # needs 2
+        (8.0, 2, 1, 64, 10, ScaleReason.RATE_LIMITED),  # +8 per decision
+    ],
+)
+def test_bounds_and_rate_limits_are_named_in_the_reason(
+    rate: float, current: int, lo: int, hi: int, target: int, reason: ScaleReason
+) -> None:
+    state = warmed(POLICY, rate, 12)
+    ctx = context(sample(400.0, rate), current, lo=lo, hi=hi)
+    d, _ = POLICY.decide(ctx, state, 400.0)
+    assert (d.target, d.reason) == (target, reason)
+
+
+def test_factory_from_plain_values() -> None:
+    policy = headroom_policy("h100", "llama-3.1-8b", ttft_slo_s=2.0, z=1.64, max_step_up=4)
+    assert isinstance(policy.config.capacity, SloCapacity)
+    assert (policy.config.z, policy.config.max_step_up) == (1.64, 4)
+    with pytest.raises(TypeError):
+        headroom_policy(no_such_field=1.0)
