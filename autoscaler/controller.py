@@ -70,7 +70,7 @@ class AutoscalerSettings(BaseSettings):
     )
     tick_s: float = Field(default=10.0, gt=0, description="Seconds between two decisions.")
     load_time_s: float = Field(
-        default=120.0, gt=0, description="Replica start-to-ready time until one is measured."
+        default=240.0, gt=0, description="Replica start-to-ready time until one is measured."
     )
     min_replicas: int = Field(default=1, ge=0, description="Lower bound of the target.")
     max_replicas: int = Field(default=64, ge=1, description="Upper bound of the target.")

@@ -34,44 +34,54 @@ def _params(items: list[str]) -> dict[str, Any]:
 @autoscale_app.command("run")
 def run_cmd(
     routers: Annotated[
-        str, typer.Option(help="Router base URLs, comma-separated (their /metrics are summed).")
-    ],
+        str | None,
+        typer.Option(help="Router base URLs, comma-separated (their /metrics are summed)."),
+    ] = None,
     mode: Annotated[
-        str, typer.Option(help="advisory (log only), kubernetes (PATCH scale) or keda (metric).")
-    ] = "advisory",
-    namespace: Annotated[str, typer.Option(help="Namespace ('' = the pod's).")] = "",
-    deployment: Annotated[str, typer.Option(help="Deployment to scale.")] = "",
-    statefulset: Annotated[str, typer.Option(help="StatefulSet to scale.")] = "",
-    policy: Annotated[str, typer.Option(help="Policy name or module:factory.")] = "headroom",
+        str | None,
+        typer.Option(help="advisory (log only), kubernetes (PATCH scale) or keda (metric)."),
+    ] = None,
+    namespace: Annotated[str | None, typer.Option(help="Namespace ('' = the pod's).")] = None,
+    deployment: Annotated[str | None, typer.Option(help="Deployment to scale.")] = None,
+    statefulset: Annotated[str | None, typer.Option(help="StatefulSet to scale.")] = None,
+    policy: Annotated[str | None, typer.Option(help="Policy name or module:factory.")] = None,
     policy_param: Annotated[
         list[str] | None, typer.Option(help="KEY=VALUE (JSON value), repeatable.")
     ] = None,
-    model: Annotated[str, typer.Option(help="Served model to scale ('' = all).")] = "",
-    tick_s: Annotated[float, typer.Option(help="Seconds between decisions.")] = 10.0,
-    load_time_s: Annotated[float, typer.Option(help="Load time until one is measured.")] = 120.0,
-    min_replicas: Annotated[int, typer.Option(help="Lower bound of the target.")] = 1,
-    max_replicas: Annotated[int, typer.Option(help="Upper bound of the target.")] = 64,
-    api_url: Annotated[str, typer.Option(help="Kubernetes API URL ('' = in-cluster).")] = "",
-    listen_port: Annotated[int, typer.Option(help="Port of /metrics and /keda.")] = 9464,
+    model: Annotated[str | None, typer.Option(help="Served model to scale ('' = all).")] = None,
+    tick_s: Annotated[float | None, typer.Option(help="Seconds between decisions.")] = None,
+    load_time_s: Annotated[
+        float | None, typer.Option(help="Load time until one is measured (default 240).")
+    ] = None,
+    min_replicas: Annotated[int | None, typer.Option(help="Lower bound of the target.")] = None,
+    max_replicas: Annotated[int | None, typer.Option(help="Upper bound of the target.")] = None,
+    api_url: Annotated[
+        str | None, typer.Option(help="Kubernetes API URL ('' = in-cluster).")
+    ] = None,
+    listen_port: Annotated[int | None, typer.Option(help="Port of /metrics and /keda.")] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
-    """Scrape the routers every tick, decide with the policy, actuate through MODE."""
+    """Scrape the routers every tick, decide with the policy, actuate through MODE.
+
+    Flags override `CP_AUTOSCALER_*` environment variables, which override the defaults."""
     logging.basicConfig(level=log_level.upper(), format="%(message)s")
-    explicit: dict[str, Any] = {
-        "routers": [u.strip() for u in routers.split(",") if u.strip()],
+    given: dict[str, Any] = {
         "mode": mode, "namespace": namespace, "deployment": deployment,
         "statefulset": statefulset, "policy": policy, "model": model, "tick_s": tick_s,
         "load_time_s": load_time_s, "min_replicas": min_replicas, "max_replicas": max_replicas,
-        "listen_port": listen_port,
+        "listen_port": listen_port, "api_url": api_url,
     }  # fmt: skip
+    explicit = {k: v for k, v in given.items() if v is not None}
+    if routers is not None:
+        explicit["routers"] = [u.strip() for u in routers.split(",") if u.strip()]
     if policy_param:
         explicit["policy_params"] = _params(policy_param)
-    if api_url:
-        explicit["api_url"] = api_url
     try:
         settings = HostSettings(**explicit)
     except ValueError as exc:
         raise ConfigError(f"invalid autoscaler settings:\n{exc}") from None
+    if not settings.routers:
+        raise ConfigError("no routers to scrape: pass --routers or set CP_AUTOSCALER_ROUTERS")
     out.print(
         f"autoscaler: mode [bold]{settings.mode}[/], policy {settings.policy}, "
         f"{len(settings.routers)} router(s), /metrics on :{settings.listen_port}"
