@@ -59,6 +59,9 @@ class EngineProfile:
     max_model_len: int = 0  # 0: the model's own maximum context
     enable_prefix_caching: bool = True
     step_overhead_s: float = -1.0  # < 0: calibrated or the GPU's default
+    # vLLM's --long-prefill-token-threshold: at most this many new tokens of one request per step
+    # (0: off, vLLM's default while max_num_partial_prefills is 1); see controlplane.sim.scheduler
+    long_prefill_token_threshold: int = 0
     # derived once in __post_init__ (routing reads them per request and replica)
     _kv_tokens: int = field(init=False, repr=False, compare=False, default=0)
     _blocks: int = field(init=False, repr=False, compare=False, default=0)
@@ -71,6 +74,8 @@ class EngineProfile:
             raise ConfigError(f"TP {self.tp} does not divide {m.kv_heads} KV heads of {m.name}")
         if self.resolved_block_size <= 0:
             raise ConfigError("block_size must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0: off)")
         object.__setattr__(self, "_kv_tokens", self._compute_kv_capacity_tokens())
         object.__setattr__(
             self,

@@ -108,6 +108,7 @@ class SimEngine:
             max_num_batched_tokens=profile.resolved_max_num_batched_tokens,
             max_model_len=profile.resolved_max_model_len,
             priority_policy=priority_policy,
+            long_prefill_token_threshold=profile.long_prefill_token_threshold,
         )
         self.fast_forward = fast_forward
         # replay a run's skipped steps op by op, so KV events interleave exactly as stepwise;

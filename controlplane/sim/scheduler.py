@@ -3,15 +3,26 @@
 There are no prefill and decode phases, only "num_computed catches up with num_tokens" under a
 token budget (`max_num_batched_tokens`). Each step:
 
-1. Running requests, in order: schedule `min(num_tokens - num_computed, budget)` new tokens. If
+1. Running requests, in order: schedule `min(num_tokens - num_computed, budget)` new tokens
+   (first capped at `long_prefill_token_threshold`, below). If
    their KV slots cannot be allocated, preempt the last running request (FCFS) or the one with
    the worst (priority, arrival) (priority policy), by recompute: free its blocks, reset
    `num_computed` to 0, put it back in front of the waiting queue. Retry until it fits or the
    request preempted itself.
 2. Waiting requests, only if nothing was preempted this step and fewer than `max_num_seqs` run:
    look up the longest cached prefix (at most `(num_tokens - 1) // block_size` blocks: the last
-   token is always recomputed to get logits), allocate slots for the rest of the chunk, admit.
-   Stop at the first request that cannot be allocated.
+   token is always recomputed to get logits), allocate slots for the rest of the chunk (capped
+   the same way, then by the budget), admit. Stop at the first request that cannot be allocated.
+
+`long_prefill_token_threshold` (vLLM's `SchedulerConfig` field, `--long-prefill-token-threshold`):
+for running (partially prefilled) and waiting requests alike, vLLM does
+`if 0 < threshold < num_new_tokens: num_new_tokens = threshold` before clamping to the budget, so a
+long prompt advances at most `threshold` tokens a step even when the budget has room, and the
+steps it shares with other requests' prefills and decodes stay short. Decodes (1 token) and
+prompts no longer than the threshold are untouched. 0 turns it off; that is vLLM's default while
+`max_num_partial_prefills` is 1 (with more partial prefills vLLM defaults it to 4% of
+`max_model_len`, a mode this simulator does not model). It is a per-replica knob
+(`EngineProfile.long_prefill_token_threshold`).
 
 Blocks are hashed and published as soon as they are scheduled (`cache_blocks` inside
 `allocate_slots`), so a request admitted later in the same step already hits them. Prefix-cache
@@ -114,13 +125,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         priority_policy: bool = False,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
+        if long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: off)")
         self.pool = pool
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.priority_policy = priority_policy
+        # vLLM's long_prefill_token_threshold: cap on one request's new tokens per step (0: off)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.running: list[EngineRequest] = []
         self.waiting: WaitingQueue = PriorityWaitingQueue() if priority_policy else WaitingQueue()
         # vllm:prefix_cache_queries / vllm:prefix_cache_hits (tokens), vllm:num_preemptions;
@@ -182,10 +198,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         running = self.running
         scheduled = batch.scheduled
+        threshold = self.long_prefill_token_threshold
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = min(req.num_tokens - req.num_computed, budget)
+            num_new = req.num_tokens - req.num_computed
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)
             num_new = min(num_new, self.max_model_len - 1 - req.num_computed)
             if num_new <= 0:
                 i += 1
@@ -222,7 +242,10 @@ class Scheduler:
                     req.lookup_hashes(self.block_size), max_hit_blocks
                 )
                 num_computed = len(hit_blocks) * self.block_size
-                num_new = min(req.num_tokens - num_computed, budget)
+                num_new = req.num_tokens - num_computed
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                num_new = min(num_new, budget)
                 if not self._allocate_slots(req, num_new, hit_blocks):
                     batch.admission_blocked = True
                     break

@@ -20,6 +20,9 @@ from sim_builders import (
     step,
 )
 
+from controlplane.errors import ConfigError
+from controlplane.roofline import profile
+from controlplane.sim.engine import SimEngine
 from controlplane.sim.request import EngineRequest, Status
 from controlplane.sim.scheduler import Scheduler
 
@@ -81,6 +84,123 @@ def test_chunked_prefill(guard: PoolGuard, prompt: int, budget: int, chunks: lis
     assert done == [req]
     assert req.status is Status.FINISHED
     assert req.num_output == 3
+
+
+# -- long_prefill_token_threshold -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "budget", "threshold", "chunks"),
+    [
+        # a long prompt advances `threshold` tokens a step although the budget has room
+        (100, 64, 32, [32, 32, 32, 4]),
+        (33, 64, 32, [32, 1]),
+        # prompts up to the threshold are untouched (vLLM: `threshold < num_new_tokens`)
+        (32, 64, 32, [32]),
+        (20, 64, 32, [20]),
+        # 0 is off: the budget alone chunks
+        (100, 64, 0, [64, 36]),
+        # a budget below the threshold still wins (the threshold comes before the budget clamp)
+        (100, 24, 32, [24, 24, 24, 24, 4]),
+        # threshold 1: one prompt token a step
+        (3, 64, 1, [1, 1, 1]),
+    ],
+)
+def test_long_prefill_token_threshold_chunks(
+    guard: PoolGuard, prompt: int, budget: int, threshold: int, chunks: list[int]
+) -> None:
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=budget)
+    sched.long_prefill_token_threshold = threshold
+    guard.watch(sched)
+    req = make_request(prompt, max_output=3, uid=1)
+    sched.waiting.add(req)
+    computed = 0
+    for i, chunk in enumerate(chunks):
+        batch, _ = step(sched)
+        assert names(batch.scheduled) == [("r1", chunk, computed)]
+        computed += chunk
+        assert req.num_output == (1 if i == len(chunks) - 1 else 0)
+        assert len(req.blocks) == -(-computed // BLOCK)
+    # decodes are one token whatever the threshold
+    batch, _ = step(sched)
+    assert names(batch.scheduled) == [("r1", 1, prompt)]
+    run_to_completion(sched)
+    assert req.num_output == 3
+
+
+@pytest.mark.parametrize(
+    ("threshold", "first", "second"),
+    [
+        # the long prompt keeps its place in front but leaves the budget to the short one
+        (16, [("r1", 16, 0), ("r2", 10, 0)], [("r1", 16, 16), ("r2", 1, 10)]),
+        # off: the long prompt takes the whole budget and the short one waits
+        (0, [("r1", 32, 0)], [("r1", 32, 32)]),
+    ],
+)
+def test_long_prefill_token_threshold_leaves_budget_to_short_prompts(
+    guard: PoolGuard,
+    threshold: int,
+    first: list[tuple[str, int, int]],
+    second: list[tuple[str, int, int]],
+) -> None:
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=32)
+    sched.long_prefill_token_threshold = threshold
+    guard.watch(sched)
+    long, short = make_request(100, max_output=2, uid=1), make_request(10, max_output=2, uid=2)
+    sched.waiting.add(long)
+    sched.waiting.add(short)
+    batch, _ = step(sched)
+    assert names(batch.scheduled) == first
+    batch, _ = step(sched)
+    assert names(batch.scheduled) == second
+    run_to_completion(sched)
+
+
+@pytest.mark.parametrize(
+    ("threshold", "next_chunks"),
+    [(8, [8, 8, 8, 8]), (24, [24, 8]), (32, [32]), (0, [32])],
+)
+def test_long_prefill_token_threshold_caps_running_partial_prefills(
+    guard: PoolGuard, threshold: int, next_chunks: list[int]
+) -> None:
+    """A request already running (admitted before the cap) is capped on the running path."""
+    sched = make_scheduler(num_blocks=64, max_num_batched_tokens=32)
+    guard.watch(sched)
+    req = make_request(64, max_output=2, uid=1)
+    sched.waiting.add(req)
+    batch, _ = step(sched)
+    assert names(batch.scheduled) == [("r1", 32, 0)]
+    assert req.status is Status.RUNNING
+    sched.long_prefill_token_threshold = threshold
+    computed = 32
+    for chunk in next_chunks:
+        batch, _ = step(sched)
+        assert names(batch.scheduled) == [("r1", chunk, computed)]
+        computed += chunk
+    assert req.num_computed == 64 and req.num_output == 1
+    run_to_completion(sched)
+
+
+@pytest.mark.parametrize("threshold", [0, 512, 2048])
+def test_engine_takes_long_prefill_token_threshold_from_the_profile(threshold: int) -> None:
+    prof = profile("h100", "llama-3.1-8b", long_prefill_token_threshold=threshold)
+    engine = SimEngine(prof)
+    assert engine.sched.long_prefill_token_threshold == threshold
+    # default profile: off, as vLLM with max_num_partial_prefills = 1
+    assert profile("h100", "llama-3.1-8b").long_prefill_token_threshold == 0
+
+
+def test_negative_long_prefill_token_threshold_is_rejected() -> None:
+    with pytest.raises(ConfigError):
+        profile("h100", "llama-3.1-8b", long_prefill_token_threshold=-1)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(
+            make_scheduler().pool,
+            max_num_seqs=1,
+            max_num_batched_tokens=8,
+            max_model_len=64,
+            long_prefill_token_threshold=-1,
+        )
 
 
 def test_running_are_scheduled_before_waiting(guard: PoolGuard) -> None:
@@ -365,6 +485,7 @@ def workloads(draw: st.DrawFn) -> tuple[dict[str, int | bool], list[list[int]]]:
         "max_num_seqs": draw(st.integers(min_value=1, max_value=6)),
         "max_num_batched_tokens": draw(st.integers(min_value=1, max_value=48)),
         "priority_policy": draw(st.booleans()),
+        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 1, 3, 8, 20])),
     }
     cap = (num_blocks - 1) * bs  # what `SimEngine.fits` allows: prompt + output - 1 <= cap
     reqs = []
@@ -393,6 +514,8 @@ def test_step_invariants_on_random_workloads(
         max_num_batched_tokens=int(cfg["max_num_batched_tokens"]),
         priority_policy=bool(cfg["priority_policy"]),
     )
+    threshold = int(cfg["long_prefill_token_threshold"])
+    sched.long_prefill_token_threshold = threshold
     reqs = [
         make_request(
             prompt,
@@ -427,6 +550,8 @@ def test_step_invariants_on_random_workloads(
             assert len(sched.running) <= sched.max_num_seqs
             seen = [id(r) for r, _, _ in batch.scheduled]
             assert len(seen) == len(set(seen))
+            if threshold:
+                assert all(n <= threshold for _, n, _ in batch.scheduled)
             admitted = [r for r, _, _ in batch.scheduled if id(r) in waiting_before]
             if batch.preempted:
                 assert not admitted, "admitted a waiting request in a step that preempted"
