@@ -25,22 +25,26 @@ long_prefill_token_threshold`: a request gets at most that many new tokens a ste
 budget clamp). The threshold comes from the roofline (`roofline_threshold`): B's TTFT is about the
 step in flight when a chat arrives plus the chat's own step, so it stays within 2x of alone when a
 step carrying a document chunk costs at most twice the step B alone runs (its 200-token prefill
-with its running decodes, their number by Little's law from the B-alone run). The largest such
-chunk, with the chunk at its deepest context (the end of a 16k document), is 352 tokens, below the
-512-2,048 range usually tuned for throughput; the bench also sweeps 256-2,048 to show the trade
-between B's latency and A's document throughput (A's prompt tokens/s, first arrival to last
-finish: A is backlogged, so that is what the fleet has left for it), and breaks B's TTFT into the
-router queue (arrival to dispatch) and the engine (dispatch to first token; B's TPOT p99 is the
-step time). Small chunks cost A throughput (each step pays the overhead and the weight reads for
-fewer prompt tokens: -18% at 352, -7% at 512); 1,024-2,048 are slightly faster than 8,192 (a chunk
-that size rides along with the memory-bound decode steps of A's 16k-context documents).
+with its running decodes, their number by Little's law from the B-alone run). The step with the
+chunk (at its deepest context, the end of a 16k document) also carries A's documents decoding at
+~16k context: with one long prefill per replica at a time (the dispatch gate below) a document
+leaves prefill every 16000/chunk steps and decodes for 300, so 300 x chunk / 16000 of them run
+beside it (Little's law). The largest such chunk is 240 tokens (352 leaving A's decodes out),
+well below the 512-2,048 range usually tuned for throughput; the bench also sweeps 224-2,048 to
+show the trade between B's latency and A's document throughput (A's prompt tokens/s, first arrival
+to last finish: A is backlogged, so that is what the fleet has left for it), and breaks B's TTFT
+into the router queue (arrival to dispatch) and the engine (dispatch to first token; B's TPOT p99
+is the step time). Small chunks cost A throughput (each step pays the overhead and the weight
+reads for fewer prompt tokens); 1,024-2,048 are slightly faster than 8,192 (a chunk that size
+rides along with the memory-bound decode steps of A's 16k-context documents).
 
-With the threshold the engine part alone comes close (~2.4x at 352) but the router queue adds
-more: the tenant queue's dispatch gate (`QueueConfig.prefill_steps`, in
-`controlplane.sim.tenant_queue`) lets a replica hold at most 2 x 8,192 prompt tokens that have
-not produced a first token, so while a 16k document prefills (for 16000/threshold steps now) a
-replica takes one more chat at a time. A diagnostic run with that gate at 3 steps (still one
-document at a time per replica) isolates it; it is not a shipped configuration.
+The tenant queue's dispatch gate (`controlplane.sim.tenant_queue`, `prefill_gate`) counts the
+prompt tokens each prefilling request takes per step (at most the replica's threshold), not the
+prompt tokens still to come, and admits one prompt longer than the threshold at a time per
+replica (`QueueConfig.long_prefills`, vLLM's `max_long_partial_prefills`), so chats pass a
+prefilling document and the router adds no queue wait. The diagnostic row runs the chosen
+threshold with the gate's per-step rule only (`long_prefills` 0): documents then prefill side by
+side, every step fills its budget again, and B loses what the threshold won.
 
 Batch flood (`gen:batch-flood`, 60 s): an interactive chat tenant at 20/s and a batch tenant at
 60/s of 1000/500-token requests (more than the fleet serves). Interactive alone; with the batch
@@ -81,12 +85,14 @@ DOCS = {"duration": 60.0, "doc_rate": 8.0, "chat_rate": 150.0}
 LIGHT = {**DOCS, "chat_rate": 20.0}
 FLOOD = {"duration": 60.0, "chat_rate": 20.0, "batch_rate": 60.0}
 SLOWDOWN = 1.2
-DOC_PROMPT, CHAT_PROMPT, CHAT_OUTPUT = 16_000, 200, 200
-# long_prefill_token_threshold sweep (light variant), besides the roofline's choice
-THRESHOLD_SWEEP = (256, 512, 1024, 2048)
-# the dispatch-gate diagnostic: prompt tokens a replica may hold before a first token, in steps
-# of max_num_batched_tokens (the queue's default is 2; 3 still admits one 16k document at a time)
-GATE_DIAGNOSTIC_PREFILL_STEPS = 3.0
+DOC_PROMPT, DOC_OUTPUT, CHAT_PROMPT, CHAT_OUTPUT = 16_000, 300, 200, 200
+# long_prefill_token_threshold sweep (light variant), besides the roofline's choice (352: the
+# roofline's choice when A's decoding documents are left out of the step)
+THRESHOLD_SWEEP = (224, 256, 352, 512, 1024, 2048)
+# the dispatch-gate diagnostic, at the chosen threshold: the gate without its long-prefill rule
+# (QueueConfig.long_prefills 0), only the per-step prompt tokens within prefill_steps budgets
+GATE_DIAGNOSTIC_PREFILL_STEPS = 2.0
+GATE_DIAGNOSTIC_LONG_PREFILLS = 0
 
 
 def _tenant(f: TenantFairness, t: str) -> dict[str, float]:
@@ -97,21 +103,33 @@ def _p(values: list[float], q: float) -> float:
     return float(np.percentile(np.array(values), q)) if values else 0.0
 
 
-def roofline_threshold(prof: EngineProfile, running: float) -> int:
+def documents_decoding(chunk: int) -> float:
+    """A's documents decoding at once on a replica, by Little's law, when the dispatch gate lets
+    one long prefill run at a time per replica (`QueueConfig.long_prefills` = 1): a document
+    finishes its prefill every DOC_PROMPT / chunk steps and then decodes for DOC_OUTPUT steps."""
+    return DOC_OUTPUT * chunk / DOC_PROMPT
+
+
+def roofline_threshold(prof: EngineProfile, running: float, *, with_documents: bool = True) -> int:
     """The largest chunk (a multiple of the block size) for which a step holding B's prefill,
-    `running` chat decodes and a document chunk at its deepest context costs at most twice the
-    same step without the chunk (B alone)."""
+    `running` chat decodes, a document chunk at its deepest context and (`with_documents`) the
+    documents decoding beside it (`documents_decoding`, at their mean context) costs at most
+    twice the step B alone runs (its prefill and the same chat decodes)."""
     cost = StepCostModel.from_profile(prof)
     n, ctx = max(1, round(running)), CHAT_PROMPT + CHAT_OUTPUT // 2
+    doc_ctx = DOC_PROMPT + DOC_OUTPUT // 2
 
     def step(chunk: int) -> float:
         parts = [(CHAT_PROMPT, 0)] + ([(chunk, DOC_PROMPT - chunk)] if chunk else [])
-        tokens, kv, pairs = n, n * (ctx + 1), float(n * (ctx + 1))
+        docs = documents_decoding(chunk) if with_documents else 0.0
+        seqs = n + docs
+        reads = n * (ctx + 1) + docs * (doc_ctx + 1)
+        tokens, kv, pairs = seqs, reads, float(reads)
         for new, cached in parts:
             tokens += new
             kv += cached + new
             pairs += new * cached + new * (new + 1) / 2
-        return cost.step_time(tokens, kv, pairs, n + len(parts))
+        return cost.step_time(tokens, kv, pairs, seqs + len(parts))
 
     bs, limit = prof.resolved_block_size, 2.0 * step(0)
     best = bs
@@ -155,9 +173,14 @@ def _breakdown(result: FleetResult, tenant: str) -> dict[str, float]:
 
 
 def _gate_diagnostic(trace: Trace, config: FleetConfig) -> FleetResult:
-    """vtc-roofline with the dispatch gate's prefill backlog at GATE_DIAGNOSTIC_PREFILL_STEPS."""
+    """vtc-roofline with the dispatch gate at GATE_DIAGNOSTIC_PREFILL_STEPS budgets of per-step
+    prompt tokens and GATE_DIAGNOSTIC_LONG_PREFILLS (0: any number of long prefills at once)."""
     ids, floor = dense_block_ids(trace, config.profile.resolved_block_size)
-    queue = QueueConfig(mode=WorkMode.VTC_ROOFLINE, prefill_steps=GATE_DIAGNOSTIC_PREFILL_STEPS)
+    queue = QueueConfig(
+        mode=WorkMode.VTC_ROOFLINE,
+        prefill_steps=GATE_DIAGNOSTIC_PREFILL_STEPS,
+        long_prefills=GATE_DIAGNOSTIC_LONG_PREFILLS,
+    )
     sim = FleetSim(replace(config, fairness=queue), functools.partial(make_policy, "least_loaded"))
     return sim.run(trace, block_ids=ids, id_floor=floor)
 
@@ -172,6 +195,7 @@ def threshold_runs(light_alone_default: FleetResult) -> dict[str, Any]:
     """The light (and backlogged) variant with replicas running long_prefill_token_threshold."""
     running = _mean_running_per_replica(light_alone_default, CONFIG.replicas)
     chosen = roofline_threshold(CONFIG.profile, running)
+    chunk_only = roofline_threshold(CONFIG.profile, running, with_documents=False)
     measure = WorkModel.build(WorkMode.VTC_ROOFLINE, CONFIG.profile)
     light_trace = long_documents(**LIGHT)  # type: ignore[arg-type]
     light_alone_trace = long_documents(**LIGHT, tenants="B")  # type: ignore[arg-type]
@@ -197,19 +221,20 @@ def threshold_runs(light_alone_default: FleetResult) -> dict[str, Any]:
             / default_alone_b["ttft_p99_s"],
         }
 
-    sweep = {t: light_run(t) for t in sorted({0, chosen, *THRESHOLD_SWEEP})}
+    sweep = {t: light_run(t) for t in sorted({0, chosen, chunk_only, *THRESHOLD_SWEEP})}
     base_a = sweep[0]["A"]
     for r in sweep.values():
         r["A_prompt_tokens_per_s_vs_default"] = (
             r["A"]["prompt_tokens_per_s"] / base_a["prompt_tokens_per_s"]
         )
-    # the dispatch gate's part of B's p99, at the chosen threshold
+    # the dispatch gate without its long-prefill rule, at the chosen threshold
     diag = _gate_diagnostic(light_trace, _with_threshold(chosen))
     diag_f = tenant_fairness(diag, measure)
     diag_b = _breakdown(diag, "B")
     gate = {
         "threshold": chosen,
         "prefill_steps": GATE_DIAGNOSTIC_PREFILL_STEPS,
+        "long_prefills": GATE_DIAGNOSTIC_LONG_PREFILLS,
         "A_share": diag_f.share("A"),
         "B_share": diag_f.share("B"),
         "B": diag_b,
@@ -259,7 +284,7 @@ def threshold_runs(light_alone_default: FleetResult) -> dict[str, Any]:
     ]
     rows.append(
         row(
-            f"{chosen}, gate {GATE_DIAGNOSTIC_PREFILL_STEPS:g}",
+            f"{chosen}, gate without the long-prefill rule",
             gate,
             gate["B_ttft_p99_ratio_vs_alone"],
         )
@@ -267,7 +292,8 @@ def threshold_runs(light_alone_default: FleetResult) -> dict[str, Any]:
     print_table(
         f"light variant (B {LIGHT['chat_rate']:g} chats/s) by long_prefill_token_threshold; "
         f"B alone TTFT p99 {default_alone_b['ttft_p99_s'] * 1e3:.1f} ms "
-        f"({running:.1f} chats running per replica -> roofline threshold {chosen})",
+        f"({running:.1f} chats running per replica -> roofline threshold {chosen}; "
+        f"{chunk_only} leaving out A's decoding documents)",
         [
             "threshold",
             "B TTFT p99 ms",
@@ -291,8 +317,12 @@ def threshold_runs(light_alone_default: FleetResult) -> dict[str, Any]:
     )
     return {
         "threshold": chosen,
-        "rule": "largest chunk whose step (B prefill + running decodes + chunk at 16k context) "
-        "costs <= 2x the same step without it, on the roofline",
+        "rule": "largest chunk whose step (B prefill + running decodes + chunk at 16k context + "
+        "A's documents decoding beside it, 300 x chunk / 16000 by Little's law with one long "
+        "prefill per replica) costs <= 2x B alone's step (B prefill + running decodes), on the "
+        "roofline",
+        "threshold_without_documents_decoding": chunk_only,
+        "A_documents_decoding_per_replica": documents_decoding(chosen),
         "B_running_per_replica_alone": running,
         "light": sweep[chosen],
         "light_sweep": {str(t): r for t, r in sweep.items()},
@@ -368,7 +398,7 @@ def long_document_runs() -> dict[str, Any]:
         f"B TTFT p99 vs alone: {backlogged_ratio:.0f}x backlogged; {light_ratio:.1f}x at "
         f"{LIGHT['chat_rate']:g} chats/s (queue p99 {light_b['queue_p99_s']:.2f}s, "
         f"TPOT p99 {light_b['tpot_p99_s'] * 1e3:.0f} vs {light_b_alone['tpot_p99_s'] * 1e3:.0f} ms)"
-        f"; {ratio:.1f}x at {LIGHT['chat_rate']:g} chats/s with long_prefill_token_threshold "
+        f"; {ratio:.2f}x at {LIGHT['chat_rate']:g} chats/s with long_prefill_token_threshold "
         f"{th['threshold']} (vs alone on a default fleet "
         f"{tl['B_ttft_p99_ratio_vs_alone_default_fleet']:.1f}x)"
     )

@@ -379,18 +379,24 @@ def fairness(data: Any) -> str:
         f"{k.replace('_', ' ')}: {'met' if v else '**not met**'}"
         for k, v in docs["targets"].items()
     )
+    basis = vr.get("B_ttft_p99_basis") or (
+        f"light variant (B {lt['chat_rate']:g} chats/s), "
+        f"long_prefill_token_threshold={vr.get('long_prefill_token_threshold', 0)}"
+    )
     b = (
-        f"B alone on the fleet: TTFT p99 {vr['B_alone_ttft_p99_s'] * 1e3:.0f} ms; with A "
-        f"under `vtc-roofline` {vr['B_ttft_p99_s']:.1f} s "
-        f"(**{vr['B_ttft_p99_ratio_vs_alone']:.0f}x**)."
+        f"B's TTFT p99 under `vtc-roofline`, {basis}: {vr['B_ttft_p99_s'] * 1e3:.1f} ms vs "
+        f"{vr['B_alone_ttft_p99_s'] * 1e3:.1f} ms for B alone on the same fleet "
+        f"(**{vr['B_ttft_p99_ratio_vs_alone']:.2f}x**)."
     )
     light = (
-        f"B at {lt['chat_rate']:g} chats/s, inside its share ({lt['B_share']:.0%} of the work): "
-        f"TTFT p99 {lt['B_ttft_p99_s'] * 1e3:.0f} ms vs {lt['B_alone_ttft_p99_s'] * 1e3:.0f} ms "
-        f"alone (**{lt['B_ttft_p99_ratio_vs_alone']:.0f}x**; router queue p99 "
-        f"{lt['B_queue_p99_s'] * 1e3:.0f} ms), TPOT p99 {lt['B_tpot_p99_s'] * 1e3:.0f} vs "
-        f"{lt['B_alone_tpot_p99_s'] * 1e3:.0f} ms."
+        f"With vLLM's default chunking (no threshold), B at {lt['chat_rate']:g} chats/s, inside "
+        f"its share ({lt['B_share']:.0%} of the work): TTFT p99 {lt['B_ttft_p99_s'] * 1e3:.1f} ms "
+        f"vs {lt['B_alone_ttft_p99_s'] * 1e3:.1f} ms alone "
+        f"(**{lt['B_ttft_p99_ratio_vs_alone']:.1f}x**; router queue p99 "
+        f"{lt['B_queue_p99_s'] * 1e3:.1f} ms), TPOT p99 {lt['B_tpot_p99_s'] * 1e3:.1f} vs "
+        f"{lt['B_alone_tpot_p99_s'] * 1e3:.1f} ms."
     )
+    sweep = _threshold_table(docs.get("long_prefill_threshold"))
     cap = (
         f"Batch KV cap: {flood['batch_kv_share']:.1%} of each replica's KV, sized for "
         f"interactive TPOT p99 <= {flood['scenario']['slowdown_target']}x alone. With it, "
@@ -398,7 +404,53 @@ def fairness(data: Any) -> str:
         f"it, **{flood['tpot_p99_ratio_without_cap']:.2f}x**. Bench wall time "
         f"{data.get('fairness_wall_seconds', 0):.0f} s."
     )
-    return f"{table1}\n\n{b} {light} Targets: {met}.\n\n{table2}\n\n{cap}"
+    return f"{table1}\n\n{b} {light} Targets: {met}.\n\n{sweep}{table2}\n\n{cap}"
+
+
+def _threshold_table(th: Any) -> str:
+    """The light variant by long_prefill_token_threshold, and the gate diagnostic (or nothing)."""
+    if not th or "light_sweep" not in th:
+        return ""
+    base = th["light_sweep"].get("0", {}).get("A", {}).get("prompt_tokens_per_s") or 0.0
+
+    def row(label: str, r: Any) -> tuple[object, ...]:
+        b, a = r["B"], r["A"]
+        tps = a["prompt_tokens_per_s"]
+        return (
+            label,
+            f"{b['ttft_p99_s'] * 1e3:.1f}",
+            f"{r['B_ttft_p99_ratio_vs_alone']:.2f}",
+            f"{b['router_queue_p99_s'] * 1e3:.1f}",
+            f"{b['engine_p50_s'] * 1e3:.1f}",
+            f"{b['engine_p99_s'] * 1e3:.1f}",
+            f"{b['tpot_p99_s'] * 1e3:.1f}",
+            f"{r['A_share']:.1%} / {r['B_share']:.1%}",
+            f"{tps / 1e3:.1f}",
+            f"{tps / base - 1:+.0%}" if base else "",
+        )
+
+    rows = []
+    for t, r in th["light_sweep"].items():
+        label = "off (8,192)" if t == "0" else t
+        if int(t) == th["threshold"]:
+            label = f"**{t} (roofline)**"
+        elif int(t) == th.get("threshold_without_documents_decoding"):
+            label = f"{t} (roofline without A's decodes)"
+        rows.append(row(label, r))
+    g = th.get("gate_diagnostic")
+    if g:
+        if g.get("long_prefills", 1) == 0:
+            label = f"{g['threshold']}, gate without the long-prefill rule (diagnostic)"
+        else:
+            label = f"{g['threshold']}, gate at {g['prefill_steps']:g} steps (diagnostic)"
+        rows.append(row(label, g))
+    head = ["threshold", "B TTFT p99 ms", "x alone", "B router queue p99 ms", "B engine p50 ms"]
+    more = ["B engine p99 ms", "B TPOT p99 ms", "work A / B", "A prompt ktok/s", "A vs off"]
+    alone = th["light"]["B_alone"]["ttft_p99_s"] * 1e3
+    return (
+        f"Light variant by `long_prefill_token_threshold` (B alone: TTFT p99 {alone:.1f} ms):\n\n"
+        f"{md_table([*head, *more], rows)}\n\n"
+    )
 
 
 SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {

@@ -14,10 +14,9 @@ room, so the order of dispatch is where fairness acts. The ordering is `controlp
                  fill every replica cannot make a light tenant's next chat wait for one to
                  finish. A batch request also needs the batch class's KV (reserved tokens) to
                  stay within `batch_kv_share` of the replica's KV, unless no batch request holds
-                 any there. And a replica holding prompt tokens that have not produced a first
-                 token (its prefill backlog) takes a new prompt only within `prefill_steps` of
-                 its token budget: a queue of documents inside vLLM (FCFS) would make the next
-                 chat wait for all of them, out of the fair queue's reach
+                 any there. And the prefill gate (below): a queue of documents inside vLLM
+                 (FCFS) would make the next chat wait for all of them, out of the fair
+                 queue's reach
     next         `vtc.pick` among the backlogged tenants (interactive first, then the smallest
                  counter); dispatch its head if some replica has room for it. When it has none
                  (a long document waiting for KV), another tenant of its class whose head fits
@@ -33,6 +32,38 @@ room, so the order of dispatch is where fairness acts. The ordering is `controlp
                  cache (`usage.cached_tokens`), free the slot
 
 Charges are divided by the tenant's weight (`vtc.charge`).
+
+The prefill gate (`prefill_gate`). What delays a new request's first prefill chunk on a replica
+is the prompt tokens vLLM schedules per step ahead of it, not the prompt tokens still to come:
+each step the scheduler gives every prefilling request (running first, then the waiting queue in
+order) its next chunk, at most `long_prefill_token_threshold` tokens when that is set, until the
+step's `max_num_batched_tokens` budget is spent. Per prefilling request (dispatched, no first
+token yet) that is (`prefill_per_step`)
+
+    per step = min(prompt, threshold)   when the replica's threshold > 0
+    per step = prompt                   when it is 0 (vLLM's default: the whole prompt goes
+                                        ahead of a later request, a budget-sized chunk a step)
+
+The router sees no prefill progress before the first token, so `prompt` stands for the remaining
+prompt (they differ only in a request's last chunk). A replica takes a new request only when
+
+  1. the per-step tokens of its prefilling requests plus the new request's own stay within
+     `prefill_steps` x max_num_batched_tokens (always when none is prefilling). With the
+     threshold at 0 this is the whole prefill backlog: the new first token waits at most about
+     `prefill_steps` full steps;
+  2. with a threshold, and the new prompt longer than it (a long prefill, `is_long_prefill`),
+     fewer than `long_prefills` long prefills are in progress on the replica. This is vLLM's own
+     `max_long_partial_prefills` (default 1), which its V1 scheduler does not enforce: with the
+     threshold, each step's cost grows with the long chunks it carries (rule 1 alone would let
+     2 x 8,192 / threshold documents prefill at once, filling every step's budget again), and the
+     threshold is chosen for a step carrying one. Short prompts are never held by this rule, so
+     a chat joins the next step while documents prefill one at a time per replica.
+
+With the threshold at 0 rule 2 never applies and rule 1 is the gate as it was. A threshold below
+the interactive prompts makes them long prefills, serialised behind a document by rule 2:
+choose it above them. A replica's threshold is read from the profile `room` is given (its
+`EngineProfile.long_prefill_token_threshold`); the live router has no prefill gate (it gates on
+the fleet's slots), so nothing there changes.
 """
 
 from __future__ import annotations
@@ -68,12 +99,50 @@ class QueueConfig:
     # the last share of each replica's slots and KV that only tenants holding at most their
     # weighted share of the fleet's KV may fill (0: none)
     headroom: float = 0.1
-    # prompt tokens a replica may hold that have not produced a first token, in steps of its
-    # token budget (max_num_batched_tokens); a longer prefill backlog waits here (0: no limit)
+    # prompt tokens per step a replica may hold ahead of a new request's first chunk (summed over
+    # requests without a first token, each at most the replica's long_prefill_token_threshold),
+    # in steps of its token budget (max_num_batched_tokens); more waits here (0: no limit)
     prefill_steps: float = 2.0
+    # prompts longer than the replica's long_prefill_token_threshold that may prefill at once on
+    # a replica (vLLM's max_long_partial_prefills, which its V1 scheduler does not enforce);
+    # unused when the threshold is 0 (0: no limit)
+    long_prefills: int = 1
 
     def weight(self, tenant: str) -> float:
         return dict(self.weights).get(tenant, 1.0)
+
+
+def prefill_per_step(prompt: int, threshold: int) -> int:
+    """Prompt tokens a prefilling request takes from each step's budget until its first token:
+    its chunk, at most `threshold` (vLLM's long_prefill_token_threshold; 0: off) tokens."""
+    return min(prompt, threshold) if threshold > 0 else prompt
+
+
+def is_long_prefill(prompt: int, threshold: int) -> bool:
+    """Whether vLLM chunks this prompt at the threshold (a long prefill; never when it is 0)."""
+    return 0 < threshold < prompt
+
+
+def prefill_gate(
+    ahead: int,
+    long_ahead: int,
+    prompt: int,
+    *,
+    threshold: int,
+    budget: int,
+    steps: float,
+    long_prefills: int,
+) -> bool:
+    """Whether a replica may take a new `prompt` while its prefilling requests take `ahead`
+    prompt tokens per step (`prefill_per_step` summed), `long_ahead` of them long prefills:
+    within `steps` x `budget` (max_num_batched_tokens) counting the new request's own per-step
+    tokens (always when nothing is ahead; no limit when steps is 0), and, for a long prefill,
+    fewer than `long_prefills` long ones ahead (no limit when 0)."""
+    if steps > 0 and ahead > 0 and ahead + prefill_per_step(prompt, threshold) > steps * budget:
+        return False
+    return not (
+        long_prefills > 0 and long_ahead >= long_prefills and is_long_prefill(prompt, threshold)
+    )
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,7 +155,12 @@ class _Slots:
     requests: int = 0
     reserved: int = 0
     batch_reserved: int = 0
+    # prompt tokens per step its prefilling requests take (`prefill_per_step` summed)
     prefill: int = 0
+    # how many of them are long prefills (`is_long_prefill`)
+    long_prefill: int = 0
+    # the replica's long_prefill_token_threshold (from the profile `room` last saw; 0: off)
+    threshold: int = 0
 
 
 @dataclass(slots=True)
@@ -99,6 +173,9 @@ class _Flight:
     req: EngineRequest
     decoded: int = 0
     prefilling: bool = True
+    # what it adds to its replica's prefill per step until its first token; a long prefill?
+    per_step: int = 0
+    long: bool = False
 
 
 @dataclass(slots=True)
@@ -210,10 +287,17 @@ class TenantQueue:
         )
         if n > limit:
             return False
-        if cfg.prefill_steps > 0 and s.prefill:
-            budget = cfg.prefill_steps * prof.resolved_max_num_batched_tokens
-            if s.prefill + prompt > budget:
-                return False
+        s.threshold = prof.long_prefill_token_threshold
+        if not prefill_gate(
+            s.prefill,
+            s.long_prefill,
+            prompt,
+            threshold=s.threshold,
+            budget=prof.resolved_max_num_batched_tokens,
+            steps=cfg.prefill_steps,
+            long_prefills=cfg.long_prefills,
+        ):
+            return False
         kv = prof.num_gpu_blocks * prof.resolved_block_size
         fill = 1.0 - cfg.headroom
         if (
@@ -248,11 +332,16 @@ class TenantQueue:
         s = self.slots.setdefault(replica, _Slots())
         s.requests += 1
         s.reserved += reserved
-        s.prefill += req.prompt_tokens
+        per_step = prefill_per_step(req.prompt_tokens, s.threshold)
+        long = is_long_prefill(req.prompt_tokens, s.threshold)
+        s.prefill += per_step
+        s.long_prefill += long
         self.held[tenant] = self.held.get(tenant, 0) + reserved
         if batch:
             s.batch_reserved += reserved
-        self.inflight[uid] = _Flight(tenant, replica, req.prompt_tokens, reserved, batch, req)
+        self.inflight[uid] = _Flight(
+            tenant, replica, req.prompt_tokens, reserved, batch, req, per_step=per_step, long=long
+        )
         self._charge(tenant, self.work.prefill(req.prompt_tokens, 0))
 
     def first_token(self, uid: int) -> None:
@@ -260,7 +349,9 @@ class TenantQueue:
         f = self.inflight.get(uid)
         if f is not None and f.prefilling:
             f.prefilling = False
-            self.slots[f.replica].prefill -= f.prompt
+            s = self.slots[f.replica]
+            s.prefill -= f.per_step
+            s.long_prefill -= f.long
 
     def _decode_due(self, f: _Flight) -> float:
         produced = max(0, f.req.num_output - 1)
@@ -286,6 +377,8 @@ class TenantQueue:
         return now - self.last_sweep_s >= self.config.charge_interval_s and self.contended()
 
     def finished(self, uid: int) -> None:
+        # one that ends without a first token (failed mid-prefill) leaves the prefill backlog too
+        self.first_token(uid)
         f = self.inflight.pop(uid, None)
         if f is None:
             return
@@ -295,7 +388,6 @@ class TenantQueue:
             w = self.work.refund_cached(cached)
             self.state = vtc.refund(self.state, f.tenant, w, self.config.weight(f.tenant))
             self.charged[f.tenant] = self.charged.get(f.tenant, 0.0) - w
-        self.first_token(uid)
         s = self.slots[f.replica]
         s.requests -= 1
         s.reserved -= f.reserved
@@ -304,4 +396,4 @@ class TenantQueue:
             s.batch_reserved -= f.reserved
 
 
-__all__ = ["QueueConfig", "TenantQueue"]
+__all__ = ["QueueConfig", "TenantQueue", "is_long_prefill", "prefill_gate", "prefill_per_step"]
