@@ -20,6 +20,7 @@ BENCHES = (
     "quota_bench.py",
     # after quota_bench: both write out/bench/fairness.json, this one merges into it
     "fairness_bench.py",
+    "autoscale_bench.py",
 )
 
 

@@ -11,10 +11,16 @@ Everything happens at simulated times popped from a single heap (the injected cl
     SCRAPE    every `scrape_interval_s` the routers read each replica's metrics (running,
               waiting, KV usage); 0 means metrics are always fresh
     CONTROL   a replica joins (ready after its load time) or leaves (drains, or dies)
+    TICK      every `tick_s`, when a host set `on_tick` (the autoscaler: controlplane.sim.autoscale)
 
 With `FleetConfig.fairness` set, ARRIVAL only queues the request in the router's per-tenant FIFOs
 (`controlplane.sim.tenant_queue`); it is routed when the fair queue dispatches it: after the
 arrival, and whenever a request finishes or a replica becomes ready, while a replica has room.
+
+Hooks for a host (all optional): `observer` hears each request's arrival (with the router's
+predicted output), its first scheduling on a replica, its first token and its end (completed,
+rejected or failed); `join` / `leave` change the fleet at once; `busy_time` reads a replica's
+busy seconds so far (its duty cycle).
 
 Routers only ever see what a live router sees: scraped metrics, their own ledger, index lookups.
 The policy objects are the live router's (router.policies); one instance per router.
@@ -27,6 +33,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.roofline.profile import EngineProfile
@@ -54,8 +61,22 @@ from router.interfaces import RoutingPolicy
 from router.ledger import RouterLedger
 from router.predictor import OutputLengthPredictor
 
-ARRIVAL, STEP, KV, SCRAPE, CONTROL = range(5)
+ARRIVAL, STEP, KV, SCRAPE, CONTROL, TICK = range(6)
 _JOIN, _READY, _LEAVE, _KILL = range(4)
+
+
+class RequestObserver(Protocol):
+    """What a host hears about each request (autoscaler.demand.DemandMeter has this shape)."""
+
+    def arrived(
+        self, request_id: str, prompt_tokens: int, predicted_output_tokens: int, now: float
+    ) -> object: ...
+
+    def started(self, request_id: str, now: float) -> None: ...
+
+    def first_token(self, request_id: str, now: float) -> None: ...
+
+    def finished(self, request_id: str, now: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +115,9 @@ class _Replica:
     # requests its last schedule could not admit (what it reports as waiting, minus arrivals
     # since); the tenant queue sends it nothing while there are any
     blocked: int = 0
+    # when the step (or run) in progress started; when a loading replica is due to serve
+    busy_since: float = 0.0
+    ready_eta_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -141,6 +165,10 @@ class FleetSim:
         self._dispatch_due = False
         # queued request index -> (record, reserved KV tokens)
         self._queued: dict[int, tuple[RequestRecord, int]] = {}
+        # host hooks (see the module docstring)
+        self.observer: RequestObserver | None = None
+        self.on_tick: Callable[[float], None] | None = None
+        self.tick_s = 0.0
 
     # -- fleet changes ---------------------------------------------------------------------------
     def _new_replica(self, phase: Phase, now: float) -> _Replica:
@@ -166,6 +194,21 @@ class FleetSim:
     def schedule_leave(self, at_s: float, replica_id: str, *, drain: bool = True) -> None:
         """A replica stops taking requests at `at_s`; it finishes them (drain) or dies."""
         self._push(at_s, CONTROL, _LEAVE if drain else _KILL, replica_id)
+
+    def join(self, now: float, load_time_s: float) -> str:
+        """A replica starts loading now (from a tick handler); returns its id."""
+        return self._join(now, load_time_s).rid
+
+    def leave(self, replica_id: str, now: float, *, drain: bool = True) -> None:
+        """A replica stops taking requests now: a loading one is gone at once, a ready one
+        drains (finishes what it holds) or dies."""
+        self._on_control(_LEAVE if drain else _KILL, replica_id, now)
+
+    def busy_time(self, replica_id: str, now: float) -> float:
+        """Seconds the replica's engine has been running steps up to `now`."""
+        rep = self._by_id[replica_id]
+        eng = rep.engine
+        return eng.busy_s + (max(0.0, now - rep.busy_since) if not eng.idle else 0.0)
 
     # -- the loop --------------------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
@@ -193,6 +236,8 @@ class FleetSim:
             self._push(r.arrival_s - t0, ARRIVAL, i)
         if cfg.scrape_interval_s > 0:
             self._push(0.0, SCRAPE)
+        if self.on_tick is not None and self.tick_s > 0:
+            self._push(self.tick_s, TICK)
         heap, pop = self._heap, heapq.heappop
         arrivals_left = len(reqs)
         done = 0
@@ -219,12 +264,19 @@ class FleetSim:
                 self._scrape(t)
                 if arrivals_left or any(not rep.engine.idle for rep in self.replicas):
                     self._push(t + cfg.scrape_interval_s, SCRAPE)
+            elif kind == TICK:
+                assert self.on_tick is not None
+                self.on_tick(t)
+                if arrivals_left or any(not rep.engine.idle for rep in self.replicas):
+                    self._push(t + self.tick_s, TICK)
             else:
                 self._on_control(a, b, t)  # type: ignore[arg-type]
             if self._dispatch_due:
                 self._dispatch(reqs, block_ids, t)
         for record, _ in self._queued.values():
             record.rejected = "queued_at_end"
+            if self.observer is not None:
+                self.observer.finished(record.request_id, self.now)
         if progress is not None:
             progress(done)
         wall = time.perf_counter() - wall0
@@ -327,6 +379,9 @@ class FleetSim:
         predicted = router.predictor.predict(
             tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
         )
+        observer = self.observer
+        if observer is not None and room is None:
+            observer.arrived(rid, tr.prompt_tokens, predicted, now)
         rreq = RoutingRequest(
             request_id=rid,
             prompt_tokens=tr.prompt_tokens,
@@ -349,6 +404,8 @@ class FleetSim:
         record.expected_hit_blocks = decision.expected_hit_blocks
         if decision.replica_id is None:
             record.rejected = "no_ready_replica"
+            if observer is not None:
+                observer.finished(rid, now)
             return
         rep = self._by_id[decision.replica_id]
         record.replica = rep.rid
@@ -356,6 +413,8 @@ class FleetSim:
         if not engine.fits(tr.prompt_tokens, max(1, tr.output_tokens)):
             record.rejected = "too_long"
             record.reason = DecisionReason.NO_HEALTHY_REPLICA.value
+            if observer is not None:
+                observer.finished(rid, now)
             return
         router.policy.on_routed(rreq, decision, snapshot)
         bs = engine.block_size
@@ -396,6 +455,8 @@ class FleetSim:
             tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
         )
         self._queued[i] = (record, tr.prompt_tokens + max(1, predicted))
+        if self.observer is not None:
+            self.observer.arrived(record.request_id, tr.prompt_tokens, predicted, now)
         self.queue.enqueue(i, tr.tenant, tr.priority, tr.prompt_tokens, now)
         self._dispatch_due = True
 
@@ -440,11 +501,23 @@ class FleetSim:
         """(Re)schedule the replica's step-end event after a cut or when it was idle."""
         eng = rep.engine
         rep.version += 1
-        end = eng.busy_until if not eng.idle else eng.start(now)
+        end = eng.busy_until if not eng.idle else self._start(rep, now)
         rep.blocked = eng.num_waiting
         self._publish(rep, now)
         if end is not None:
             self._push(end, STEP, rep.rid, rep.version)
+
+    def _start(self, rep: _Replica, now: float) -> float | None:
+        """The engine's next step; tells the observer which requests it schedules first."""
+        end = rep.engine.start(now)
+        if end is not None:
+            rep.busy_since = now
+            if self.observer is not None:
+                for req in rep.engine.sched.running:
+                    if req.first_scheduled_s < 0:
+                        req.first_scheduled_s = now
+                        self.observer.started(req.request_id, now)
+        return end
 
     def _on_step_end(self, rep: _Replica, now: float) -> None:
         eng = rep.engine
@@ -452,6 +525,8 @@ class FleetSim:
         first, finished = eng.drain()
         cfg = self.config
         for req in first:
+            if self.observer is not None:
+                self.observer.first_token(req.request_id, now)
             if self.queue is not None:
                 self.queue.first_token(req.uid)
             rreq, router, _rep, _ = self._routing[req.uid]
@@ -462,7 +537,7 @@ class FleetSim:
                 self.index.retract(rep.rid, rreq.block_hashes, grace)
         for req in finished:
             self._finish(req, now)
-        end = eng.start(now)
+        end = self._start(rep, now)
         if self.queue is not None:
             if rep.blocked and not eng.num_waiting and self.queue.queued:
                 self._dispatch_due = True
@@ -490,6 +565,8 @@ class FleetSim:
         router.policy.on_finished(rreq, rep.rid)
         if not failed:
             router.predictor.observe(rreq.tenant, rreq.prompt_tokens, req.num_output)
+        if self.observer is not None:
+            self.observer.finished(rreq.request_id, now)
 
     def _publish(self, rep: _Replica, now: float) -> None:
         events = rep.engine.take_events()
@@ -545,8 +622,7 @@ class FleetSim:
 
     def _on_control(self, op: int, arg: object, now: float) -> None:
         if op == _JOIN:
-            rep = self._new_replica(Phase.LOADING, now)
-            self._push(now + float(arg), CONTROL, _READY, rep.rid)  # type: ignore[arg-type]
+            self._join(now, float(arg))  # type: ignore[arg-type]
         elif op == _READY:
             rep = self._by_id[str(arg)]
             if rep.phase is Phase.LOADING:
@@ -562,6 +638,12 @@ class FleetSim:
         else:
             rep = self._by_id[str(arg)]
             self._kill(rep, now)
+
+    def _join(self, now: float, load_time_s: float) -> _Replica:
+        rep = self._new_replica(Phase.LOADING, now)
+        rep.ready_eta_s = now + load_time_s
+        self._push(now + load_time_s, CONTROL, _READY, rep.rid)
+        return rep
 
     def _retire(self, rep: _Replica, now: float) -> None:
         rep.phase = Phase.DEAD
@@ -593,4 +675,4 @@ def _visible(ledger: Ledger) -> Ledger:
     )
 
 
-__all__ = ["FleetConfig", "FleetSim", "QueueConfig", "Status"]
+__all__ = ["FleetConfig", "FleetSim", "QueueConfig", "RequestObserver", "Status"]

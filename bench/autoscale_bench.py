@@ -1,0 +1,109 @@
+"""Autoscaling backtest: headroom against static peak, Ray Serve's default, Knative KPA and the
+HPA on GPU utilization, on both backtest traces with a 240 s replica load time.
+
+The same library call as `controlplane autoscale backtest` (autoscaler.backtest): each trace is
+a 2-h compressed day (autoscaler.backtest_traces) on Llama-3.1-70B TP2 / H200 replicas; each
+policy replays it on a fresh fleet. Prints one table per trace and the goal check (headroom
+>= 99% TTFT attainment at <= 80% of static peak's GPU-hours, and not dominated by any baseline),
+and writes out/bench/autoscale.json (the backtest's JSON) and out/bench/autoscale.png.
+
+By default each day is compressed to 1 h (half the requests, about 5 min on two busy cores);
+`--full` replays the 2-h days of `controlplane autoscale backtest` (the headline figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common import console, out_dir, print_table, write_json
+
+from autoscaler.backtest import (
+    DEFAULT_TRACES,
+    POLICY_NAMES,
+    BacktestConfig,
+    BacktestResult,
+    backtest,
+)
+from autoscaler.backtest_plot import plot_backtest
+from controlplane.sim.autoscale import AutoscaleConfig
+
+
+def goal(result: BacktestResult) -> dict[str, dict[str, object]]:
+    """Per trace: the Done-means figures for headroom."""
+    checks: dict[str, dict[str, object]] = {}
+    for name, tb in result.traces.items():
+        head, static = tb.runs.get("headroom"), tb.runs.get("static_peak")
+        if head is None or static is None:
+            continue
+        att, hours = head.slo_attainment(), head.gpu_hours()
+        dominated_by = [
+            other
+            for other, run in tb.runs.items()
+            if other != "headroom" and run.slo_attainment() >= att and run.gpu_hours() <= hours
+        ]
+        checks[name] = {
+            "attainment": att,
+            "gpu_hours_vs_static": hours / static.gpu_hours(),
+            "meets_slo": att >= 0.99,
+            "cheaper_than_80pct_static": hours <= 0.8 * static.gpu_hours(),
+            "dominated_by": dominated_by,
+        }
+    return checks
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--full", action="store_true", help="the 2-h days (default: 1 h)")
+    args = parser.parse_args()
+    config = BacktestConfig(autoscale=AutoscaleConfig(load_time_s=240.0, max_replicas=48))
+    params: dict[str, dict[str, object]] = (
+        {} if args.full else {t: {"day_s": 3600.0} for t in DEFAULT_TRACES}
+    )
+
+    def start(name: str, total: int) -> None:
+        console.print(f"  {name} ({total} requests)")
+
+    result = backtest(
+        DEFAULT_TRACES, POLICY_NAMES, config, trace_params=params, on_policy_start=start
+    )
+    for name, tb in result.traces.items():
+        static = tb.runs["static_peak"].gpu_hours() if "static_peak" in tb.runs else 0.0
+        print_table(
+            f"{name}: {tb.requests} requests, load time {tb.load_time_s:.0f} s",
+            [
+                "policy",
+                "TTFT att.",
+                "TPOT att.",
+                "GPU-hours",
+                "vs static",
+                "scale events",
+                "dir. changes",
+            ],
+            [
+                (
+                    policy,
+                    f"{run.slo_attainment():.2%}",
+                    f"{run.tpot_attainment():.2%}",
+                    run.gpu_hours(),
+                    f"{run.gpu_hours() / static:.0%}" if static else "-",
+                    len(run.scale_changes()),
+                    run.direction_changes(),
+                )
+                for policy, run in tb.runs.items()
+            ],
+        )
+    checks = goal(result)
+    for name, c in checks.items():
+        console.print(
+            f"{name}: headroom attainment {c['attainment']:.2%} (>= 99%: {c['meets_slo']}), "
+            f"GPU-hours {c['gpu_hours_vs_static']:.0%} of static peak "
+            f"(<= 80%: {c['cheaper_than_80pct_static']}), "
+            f"dominated by: {c['dominated_by'] or 'none'}"
+        )
+    plot_backtest(result, out_dir() / "autoscale.png")
+    payload = result.to_json(timeline=False)
+    write_json("autoscale.json", {**payload, "goal": checks, "full": args.full})
+
+
+if __name__ == "__main__":
+    main()
