@@ -7,13 +7,27 @@ Block ids are computed once per trace and shared.
 
 How each policy is set up (documented choices, the same for every trace):
 
-- `headroom`: `HeadroomPolicy(HeadroomConfig(capacity))` with its defaults;
-- `static_peak`: `static_peak_replicas` over the trace with hindsight (its module docstring);
-  its fleet starts at that count and never changes;
+- `headroom`: `HeadroomPolicy(HeadroomConfig(capacity))` with its defaults, its forecaster's
+  season set to the trace's (compressed) day;
+- `static_peak`: the smallest fixed fleet that meets the SLO target (`static_target`, 99% of
+  requests within the TTFT SLO) on this trace, found with hindsight by replaying it: from the
+  rule of `static_peak_replicas` (its module docstring: the peak 60-s work rate over the
+  utilization target), up by doubling steps until the target holds, then bisection between
+  the last miss and the first hit (`static_search=False` keeps the rule's count). Provisioning
+  for the peak means provisioning so that the peak is served; a count that misses the SLO is
+  not a peak provisioning. Every count tried is kept in `setup["static_search"]`;
 - `ray_default`: Ray Serve's defaults (target 2 ongoing requests per replica);
 - `kpa`: Knative's defaults with the per-replica concurrency target `kpa_target_concurrency`
   (Little's law at the SLO over the trace's mean request, capped by the SLO decode batch);
 - `hpa_gpu_util`: HPA defaults on GPU utilization, target 80%.
+
+The headroom policy learns from history (its forecaster's level, trend and error at the
+horizon, its burst memory); in production it has been running for days. Its state is warmed on
+the two days before, taken to be the same day (`prewarm`): the trace's arrivals, turned into the
+demand samples the router would have measured every tick, are folded through `decide` with a
+fleet that follows its targets, at times before 0; no request is simulated; its fleet starts at
+the size it would have had at midnight (at least the common warm start). The baselines keep
+windows of at most ten minutes and start fresh.
 
 Every dynamic policy starts from the same warm fleet: `ceil(mean work rate over the trace's
 first load time / rho*)` ready replicas (what the night before would have left running), at
@@ -29,7 +43,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoscaler.backtest_traces import BACKTEST_GPU, BACKTEST_MODEL, BACKTEST_TP, backtest_trace
@@ -38,12 +52,13 @@ from autoscaler.baselines import (
     KpaConfig,
     KpaPolicy,
     RayDefaultPolicy,
+    StaticPeakConfig,
     StaticPeakPolicy,
     kpa_target_concurrency,
     static_peak_replicas,
 )
 from autoscaler.capacity import SloCapacity
-from autoscaler.types import ScalingPolicy
+from autoscaler.types import DemandSample, FleetCounts, ScaleContext, ScalingPolicy
 from controlplane.errors import ConfigError
 from controlplane.roofline.profile import EngineProfile, profile
 from controlplane.sim.autoscale import AutoscaleConfig, AutoscaleRun, run_autoscaled
@@ -60,7 +75,10 @@ class BacktestConfig:
     gpu: str = BACKTEST_GPU
     model: str = BACKTEST_MODEL
     tp: int = BACKTEST_TP
-    autoscale: AutoscaleConfig = field(default_factory=lambda: AutoscaleConfig(max_replicas=48))
+    autoscale: AutoscaleConfig = field(default_factory=lambda: AutoscaleConfig(max_replicas=64))
+    # static_peak: the SLO attainment its fixed fleet must reach, and whether to search for it
+    static_target: float = 0.99
+    static_search: bool = True
 
     def profile(self) -> EngineProfile:
         return profile(self.gpu, self.model, tp=self.tp)
@@ -134,7 +152,12 @@ def build_policy(
     if name == "headroom":
         from autoscaler.headroom import HeadroomConfig, HeadroomPolicy
 
-        return HeadroomPolicy(HeadroomConfig(capacity=cap)), None
+        config = HeadroomConfig(capacity=cap)
+        params = trace.meta.get("params", trace.meta.get("diurnal"))
+        day = params.get("day_s") if isinstance(params, dict) else None
+        if isinstance(day, int | float) and day > 0:  # a compressed day: its season
+            config = replace(config, forecast=replace(config.forecast, season_s=float(day)))
+        return HeadroomPolicy(config), None
     if name == "static_peak":
         reqs = trace.requests
         static = static_peak_replicas(
@@ -175,6 +198,63 @@ def demand_windows(
     )
 
 
+def arrival_samples(
+    trace: Trace, cap: SloCapacity, tick_s: float, offset_s: float
+) -> list[DemandSample]:
+    """The demand samples a router would measure every `tick_s` from `trace`'s arrivals alone
+    (work priced with the actual output; no backlog), timestamped `offset_s` later."""
+    if not trace.requests:
+        return []
+    t0 = trace.requests[0].arrival_s
+    ticks = max(1, math.ceil((trace.requests[-1].arrival_s - t0) / tick_s))
+    acc = [[0, 0.0, 0.0, 0.0] for _ in range(ticks)]
+    for r in trace.requests:
+        a = acc[min(ticks - 1, int((r.arrival_s - t0) // tick_s))]
+        p = cap.prefill_work(r.prompt_tokens)
+        a[0] += 1
+        a[1] += p
+        a[2] += cap.decode_work(max(1, r.output_tokens), r.prompt_tokens)
+        a[3] += p * p
+    out = []
+    for k, (n, pre, dec, sq) in enumerate(acc):
+        mean = pre / n if n else 0.0
+        scv = (sq / n - mean * mean) / (mean * mean) if n > 1 and mean > 0 else 1.0
+        out.append(
+            DemandSample(
+                t_s=offset_s + (k + 1) * tick_s,
+                interval_s=tick_s,
+                arrivals=int(n),
+                prefill_work_s=pre,
+                decode_work_s=dec,
+                prefill_mean_s=mean,
+                prefill_scv=max(0.0, scv),
+            )
+        )
+    return out
+
+
+def prewarm(
+    policy: ScalingPolicy[Any], trace: Trace, cap: SloCapacity, auto: AutoscaleConfig, start: int
+) -> Any:
+    """`policy`'s state after the day before (see the module docstring)."""
+    state = policy.initial_state()
+    span = trace.duration_s + auto.tick_s
+    current = start
+    history = [s for k in (2, 1) for s in arrival_samples(trace, cap, auto.tick_s, -k * span)]
+    for sample in history:
+        ctx = ScaleContext(
+            sample,
+            FleetCounts(ready=current),
+            auto.load_time_s,
+            auto.min_replicas,
+            auto.max_replicas,
+            auto.tick_s,
+        )
+        decision, state = policy.decide(ctx, state, sample.t_s)
+        current = decision.target
+    return state
+
+
 def backtest_one(
     trace: Trace,
     policies: Sequence[str],
@@ -207,8 +287,35 @@ def backtest_one(
     fleet = FleetConfig(profile=prof)
     for name, (policy, fixed) in built.items():
         n0 = warm if fixed is None else fixed
+        if name == "static_peak" and fixed is not None and config.static_search:
+
+            def replay(n: int) -> AutoscaleRun:
+                if on_policy_start is not None:
+                    on_policy_start(f"static_peak ({n})", len(trace))
+                return run_autoscaled(
+                    trace,
+                    fleet,
+                    StaticPeakPolicy(StaticPeakConfig(n)),
+                    auto,
+                    initial_replicas=n,
+                    capacity=cap,
+                    block_ids=ids,
+                    id_floor=floor,
+                    progress=progress,
+                )
+
+            run, tried = static_search(replay, fixed, config.static_target, auto.max_replicas)
+            tb.runs[name] = run
+            tb.setup["static_peak_replicas"] = float(run.initial_replicas)
+            tb.setup["static_peak_rule_replicas"] = float(fixed)
+            tb.setup["static_search"] = [[float(n), a] for n, a in sorted(tried.items())]  # type: ignore[assignment]
+            continue
         if on_policy_start is not None:
             on_policy_start(name, len(trace))
+        warmed = None
+        if name == "headroom":  # it has been running: its state and its own fleet
+            warmed = prewarm(policy, trace, cap, auto, n0)
+            n0 = max(n0, warmed.last_target)
         tb.runs[name] = run_autoscaled(
             trace,
             fleet,
@@ -219,8 +326,43 @@ def backtest_one(
             block_ids=ids,
             id_floor=floor,
             progress=progress,
+            initial_state=warmed,
         )
     return tb
+
+
+def static_search(
+    replay: Callable[[int], AutoscaleRun], start: int, target: float, most: int
+) -> tuple[AutoscaleRun, dict[int, float]]:
+    """The smallest fixed fleet in [1, most] whose replay meets `target` (the largest tried if
+    none does): doubling steps from `start`, then bisection. Attainment grows with the fleet."""
+    runs: dict[int, AutoscaleRun] = {}
+
+    def att(n: int) -> float:
+        if n not in runs:
+            runs[n] = replay(n)
+        return runs[n].slo_attainment()
+
+    n = max(1, min(most, start))
+    if att(n) >= target:
+        lo, hi, step = 0, n, 1
+        while hi - step >= 1 and att(hi - step) >= target:
+            hi, step = hi - step, step * 2
+        lo = max(lo, hi - step)
+    else:
+        lo, hi, step = n, most, 1
+        while lo + step < most and att(lo + step) < target:
+            lo, step = lo + step, step * 2
+        hi = min(most, lo + step)
+        if att(hi) < target:
+            return runs[hi], {k: r.slo_attainment() for k, r in runs.items()}
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if att(mid) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return runs[hi], {k: r.slo_attainment() for k, r in runs.items()}
 
 
 def backtest(
@@ -255,8 +397,11 @@ __all__ = [
     "BacktestConfig",
     "BacktestResult",
     "TraceBacktest",
+    "arrival_samples",
     "backtest",
     "backtest_one",
     "build_policy",
     "demand_windows",
+    "prewarm",
+    "static_search",
 ]

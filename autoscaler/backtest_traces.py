@@ -86,14 +86,14 @@ def azure_code_diurnal(
 _TENANTS: tuple[tuple[str, float, float, float, float, float, PriorityClass, float], ...] = (
     ("chat", 11.0, 1500, 1.0, 300, 1.0, PriorityClass.INTERACTIVE, 0.0),
     ("longdoc", 1.0, 8000, 0.3, 300, 0.5, PriorityClass.INTERACTIVE, 0.0),
-    ("batch", 3.0, 2000, 0.5, 500, 0.5, PriorityClass.BATCH, 2400.0),
+    ("batch", 1.5, 2000, 0.5, 500, 0.5, PriorityClass.BATCH, 2400.0),
 )
 
 
 def synthetic_diurnal_tenants(
     *,
     day_s: float = DAY_S,
-    rate_scale: float = 1.0,
+    rate_scale: float = 2.0,
     trough: float = 0.25,
     seed: int = 0,
     segment_s: float = 60.0,

@@ -21,14 +21,17 @@ costs when it runs in `max_num_batched_tokens` chunks:
 
     P(n, k) = WorkModel.prefill(n, k) + n * (ar_per_token + (overhead + ar_fixed) / chunk)
 
-Utilization target (M/G/1 prefill queue, Kingman's tail). With mean prefill service `E[S]` and
-squared coefficient of variation `C2`, the waiting time's tail is roughly
-`P(W > t) = rho * exp(-t / m)`, `m = E[S] (1 + C2) / (2 (1 - rho))`, so `p99(W) = m ln(100 rho)`.
-The TTFT SLO leaves a waiting budget `K E[S]` with `K = (ttft_slo - E[S]) / E[S]`; `rho*` is the
-largest utilization with `p99(W) <= K E[S]`, found by bisection (the left side grows with rho),
-then capped by `decode_ceiling` (decode needs slack too) and floored at `min_utilization`.
-The single-server model is conservative for a pooled fleet; the headroom policy adds Poisson
-granularity (square-root staffing) on top.
+Utilization target (M/G/c prefill queue). With mean prefill service `E[S]`, its squared
+coefficient of variation `C2`, and `c` replicas behind one router (least-loaded routing
+approximates a central queue), a request waits with probability `P_w = ErlangC(c, c rho)` and,
+if it waits, roughly exponentially with mean `m = E[S] (1 + C2) / (2 c (1 - rho))` (Allen-Cunneen's
+M/G/c correction of M/M/c), so `p99(W) = m ln(100 P_w)` (0 when `P_w <= 1%`). With `c = 1`,
+`P_w = rho` and this is Kingman's M/G/1 tail. The TTFT SLO leaves a waiting budget
+`ttft_slo - E[S]`; `rho*` is the largest utilization with `p99(W)` within it, found by
+bisection (the left side grows with rho), then capped by `decode_ceiling` (decode needs slack
+too) and floored at `min_utilization`. Pooling raises `rho*` with the fleet size; the headroom
+policy adds the Poisson granularity (square-root staffing) and the burstiness of arrivals
+(its burst factor) on top.
 """
 
 from __future__ import annotations
@@ -48,26 +51,47 @@ DECODE_CEILING = 0.9
 MIN_UTILIZATION = 0.2
 
 
-def kingman_p99_wait(mean_s: float, scv: float, rho: float) -> float:
-    """p99 of the M/G/1 waiting time by Kingman's exponential tail (0 when rho <= 1%)."""
-    if rho <= 0.01:
+def erlang_c(servers: int, rho: float) -> float:
+    """Probability that an arrival waits in M/M/c at utilization `rho` (stable recursion
+    through Erlang B)."""
+    if rho <= 0:
         return 0.0
+    if rho >= 1:
+        return 1.0
+    a = servers * rho
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = a * b / (k + a * b)
+    return b / (1.0 - rho * (1.0 - b))
+
+
+def p99_wait(mean_s: float, scv: float, rho: float, servers: int = 1) -> float:
+    """p99 of the M/G/c waiting time (see the module docstring); c = 1 is Kingman's M/G/1."""
     if rho >= 1.0:
         return math.inf
-    m = mean_s * (1.0 + scv) / (2.0 * (1.0 - rho))
-    return m * math.log(100.0 * rho)
+    c = max(1, servers)
+    p_wait = erlang_c(c, rho)
+    if p_wait <= 0.01:
+        return 0.0
+    m = mean_s * (1.0 + scv) / (2.0 * c * (1.0 - rho))
+    return m * math.log(100.0 * p_wait)
 
 
-def max_utilization(mean_s: float, scv: float, wait_budget_s: float) -> float:
-    """Largest rho with `kingman_p99_wait(mean_s, scv, rho) <= wait_budget_s` (bisection)."""
+def kingman_p99_wait(mean_s: float, scv: float, rho: float) -> float:
+    """p99 of the M/G/1 waiting time by Kingman's exponential tail (0 when rho <= 1%)."""
+    return p99_wait(mean_s, scv, rho, 1)
+
+
+def max_utilization(mean_s: float, scv: float, wait_budget_s: float, servers: int = 1) -> float:
+    """Largest rho with `p99_wait(mean_s, scv, rho, servers) <= wait_budget_s` (bisection)."""
     if wait_budget_s <= 0 or mean_s <= 0:
         return 0.01 if wait_budget_s <= 0 else 0.999
     lo, hi = 0.01, 0.999
-    if kingman_p99_wait(mean_s, scv, hi) <= wait_budget_s:
+    if p99_wait(mean_s, scv, hi, servers) <= wait_budget_s:
         return hi
     for _ in range(60):
         mid = (lo + hi) / 2
-        if kingman_p99_wait(mean_s, scv, mid) <= wait_budget_s:
+        if p99_wait(mean_s, scv, mid, servers) <= wait_budget_s:
             lo = mid
         else:
             hi = mid
@@ -136,18 +160,23 @@ class SloCapacity:
     def request_work(self, prompt_tokens: int, output_tokens: int) -> float:
         return self.prefill_work(prompt_tokens) + self.decode_work(output_tokens, prompt_tokens)
 
-    def utilization_target(self, prefill_mean_s: float, prefill_scv: float) -> float:
-        """rho*: the busiest a replica may run and still meet the TTFT SLO at p99."""
+    def utilization_target(
+        self, prefill_mean_s: float, prefill_scv: float, replicas: int = 1
+    ) -> float:
+        """rho*: the busiest `replicas` pooled replicas may run and still meet the TTFT SLO at
+        p99 (1 replica: the conservative M/G/1 figure)."""
         if prefill_mean_s <= 0:
             return self.decode_ceiling
         budget = self.ttft_slo_s - prefill_mean_s
-        rho = max_utilization(prefill_mean_s, max(0.0, prefill_scv), budget)
+        rho = max_utilization(prefill_mean_s, max(0.0, prefill_scv), budget, max(1, replicas))
         return max(self.min_utilization, min(self.decode_ceiling, rho))
 
 
 __all__ = [
     "SloCapacity",
+    "erlang_c",
     "kingman_p99_wait",
     "max_utilization",
+    "p99_wait",
     "slo_decode_batch",
 ]

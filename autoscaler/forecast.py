@@ -58,6 +58,10 @@ class ForecastConfig:
     clip_floor_abs: float = 0.05
     shift_confirm_s: float = 90.0
     sigma_tau_s: float = 600.0
+    # what a horizon forecast is scored against: "value" (the raw sample) or "level" (the
+    # smoothed level + season at the due time: the error of forecasting the level, without
+    # the sample noise; for a user that covers bursts with a separate term)
+    horizon_target: str = "value"
     ring_size: int = 16
     horizon_memory: int = 64
     min_horizon_residuals: int = 8
@@ -140,7 +144,9 @@ def sigma_at_horizon(cfg: ForecastConfig, state: ForecastState) -> float:
     if state.h_n >= cfg.min_horizon_residuals:
         return math.sqrt(state.h_var)
     tick = state.dt_mean if state.dt_mean > 0 else cfg.tick_s
-    return state.sigma_1 * math.sqrt(max(1.0, cfg.horizon_s / tick))
+    # scored against the level: the one-step noise reaches it through the smoothing only
+    smooth = 1.0 if cfg.horizon_target == "value" else math.sqrt(cfg.alpha / (2.0 - cfg.alpha))
+    return state.sigma_1 * smooth * math.sqrt(max(1.0, cfg.horizon_s / tick))
 
 
 def upside_sigma_at_horizon(cfg: ForecastConfig, state: ForecastState) -> float:
@@ -265,7 +271,8 @@ def observe(cfg: ForecastConfig, state: ForecastState, t_s: float, value: float)
         new = _reseason(cfg, new, t_s, x - level - s_t, dt)
     else:
         new = _accumulate(cfg, new, t_s, x)
-    return _track_horizon(cfg, new, t_s, x)
+    target = x if cfg.horizon_target == "value" else current_level(cfg, new)
+    return _track_horizon(cfg, new, t_s, target)
 
 
 __all__ = [

@@ -8,27 +8,41 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
    its horizon set to the lead time `L = load_time_s + tick_s`.
 3. Utilization target `rho* = capacity.utilization_target(E[prefill], C2)` (the last seen
    prefill moments when the interval had no arrivals; defaults before any).
-4. Need, rate and backlog kept apart (anchors §4):
-       R          = peak(L)                             forecast peak over [now, now + L]
-       need_rate  = (R + sqrt(beta^2 R + (z sigma_L)^2)) / rho*
+4. Need, rate, bursts and backlog kept apart (anchors §4):
+       R          = peak(L)                             the level's forecast peak, [now, now + L]
+       need_rate  = (R + sqrt(beta^2 R + (z sigma_L)^2)) / rho*(n)
+       need_burst = ((1 - phi) + phi * F_q * tick / (tick + b)) * R + z sigma_L
        need_back  = backlog_work_s / drain_time_s      (drain_time_s defaults to L)
-       up         = ceil(need_rate + need_back + spare)
-   `sigma_L` is the forecaster's own error at horizon L, upside only (the RMS of its
-   under-forecasts, so a positive bias is included and a missed drop does not count);
-   `beta sqrt(R)` is square-root staffing for the Poisson granularity, combined with
-   `z sigma_L` in quadrature.
+       up         = ceil(max(need_rate, need_burst) + need_back + spare)
+   - `sigma_L` is the forecaster's own error at horizon L, scored against the level (not the
+     noisy sample), upside only (the RMS of its under-forecasts, so a positive bias counts and a
+     missed drop does not); `beta sqrt(R)` is square-root staffing for the Poisson
+     granularity, combined with `z sigma_L` in quadrature.
+   - `rho*(n)` is the SLO-compatible utilization of `n` pooled replicas (M/G/c with the measured
+     prefill moments, `SloCapacity.utilization_target`), with `n` the fleet size the need
+     itself implies (a few fixed-point steps from the current size).
+   - Bursts shorter than the lead time cannot be scaled for; they are carried as headroom.
+     `F_q` is the `burst_quantile` of this tick's prefill rate over its recent mean (EW,
+     `burst_memory_s / 6`), weighted by prefill work (so it is a quantile over the requests
+     that meet the fleet) and remembered over `burst_memory_s` in a log-binned histogram. Only
+     the prefill share `phi` of the work is bursty at the TTFT time scale (decode work is
+     spread over the outputs' lifetimes), and a tick's burst may outrun the fleet as long as
+     its backlog drains within the TTFT waiting budget `b = ttft_slo - E[prefill]`.
 5. Target. Loading replicas are capacity arriving: everything is compared with
    `current = ready + loading`.
    - warming up (less than `warmup_s` of history): `max(current, up)`, never down (WARMING_UP);
    - `up > current`: `up` (FORECAST_UP, or BACKLOG_DRAIN when the rate alone fits `current`);
    - `ready < up <= current` with replicas loading: hold (LOADING_COVERS);
-   - otherwise scale-down by ski-rental: `keep` = the same need with the forecast peak over the
-     look-ahead `L + reuse_horizon_s` (a replica the forecast wants back within a load time
-     plus the re-use horizon is kept). If `keep < current` the surplus timer runs; an idle
+   - otherwise scale-down by ski-rental: `keep` = the larger of the same need with the forecast
+     peak over the look-ahead `L + reuse_horizon_s` and the largest need of the last
+     `reuse_horizon_s` (a replica the forecast or the recent past wants back within a load
+     time plus the re-use horizon is kept). If `keep < current` the surplus timer runs; an idle
      replica costs 1 replica-second per second and removing it costs `reload_cost_s` (default
      `load_time_s x 1 replica`) when it is needed again, so the surplus is shed only once it has
      lasted the break-even time `reload_cost_s / 1` (the deterministic 2-competitive
-     ski-rental rule): SCALE_DOWN, else DOWN_NOT_WORTH_IT. Any tick without surplus resets it.
+     ski-rental rule): SCALE_DOWN to `keep + floor(down_margin keep)` (a deadband, so the
+     wobble of the need does not bring it straight back), else DOWN_NOT_WORTH_IT. Any tick
+     without surplus resets it.
 6. Limits, in order: clip to `[min_replicas, max_replicas]` (AT_MIN / AT_MAX); hysteresis (a
    step against the last step's direction within `hysteresis_s` of the last direction change
    is refused: at most one change per window, RATE_LIMITED); `max_step_up` / `max_step_down`
@@ -42,6 +56,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from autoscaler.bursts import add_burst, burst_quantile, empty_bursts
 from autoscaler.forecast import (
     ForecastConfig,
     ForecastState,
@@ -60,27 +75,47 @@ _EPS = 1e-9
 class UtilizationModel(Protocol):
     """What the policy needs from `autoscaler.capacity.SloCapacity`."""
 
-    def utilization_target(self, prefill_mean_s: float, prefill_scv: float) -> float: ...
+    @property
+    def ttft_slo_s(self) -> float: ...
+
+    def utilization_target(
+        self, prefill_mean_s: float, prefill_scv: float, replicas: int = 1
+    ) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
 class HeadroomConfig:
     capacity: UtilizationModel
-    z: float = 2.33  # 1% probability that demand at the horizon exceeds the forecast + z sigma
+    z: float = 3.5  # 1% probability that demand at the horizon exceeds the forecast + z sigma
     beta: float = 0.5  # square-root staffing; rho* already budgets per-replica queueing
     spare: int = 0  # N+1 reserve (see the report: a failure within L is rarer than 1%)
     drain_time_s: float | None = None  # None: the lead time
     max_step_up: int = 8
     max_step_down: int = 1  # consolidate one replica at a time
     reload_cost_s: float | None = None  # GPU-seconds; None: load_time_s x 1 replica
-    reuse_horizon_s: float = 600.0
+    reuse_horizon_s: float = 300.0
+    # a scale-down stops this fraction above `keep` (a deadband: the need wobbles by a replica
+    # or two as sigma and the burst factor move, and shedding to the edge would flap)
+    down_margin: float = 0.05
     hysteresis_s: float = 300.0
     warmup_s: float = 60.0
     stale_ticks: float = 3.0
     peak_steps: int = 16
     default_prefill_mean_s: float = 0.1
     default_prefill_scv: float = 1.0
-    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    # bursts shorter than the lead time: the work-weighted `burst_quantile` of the tick rate
+    # over the forecast level, remembered over `burst_memory_s`; the fleet keeps that multiple
+    # of the level at `burst_utilization`
+    burst_quantile: float = 0.995
+    burst_memory_s: float = 3600.0
+    # the level the fleet follows is slow (time constant ~330 s, shifts confirmed after 300 s):
+    # swings shorter than the lead time cannot be followed, so they belong to the burst
+    # factor, not to the level
+    forecast: ForecastConfig = field(
+        default_factory=lambda: ForecastConfig(
+            horizon_target="level", alpha=0.03, shift_confirm_s=300.0
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,12 +129,31 @@ class HeadroomState:
     surplus_since_s: float | None = None
     prefill_mean_s: float = 0.0  # last seen prefill moments (0: none yet)
     prefill_scv: float = 1.0
+    burst_w: tuple[float, ...] = ()  # prefill-work-weighted histogram of prefill burst ratios
+    # EW means of the arrived prefill and total work rates (their ratio: the prefill share)
+    prefill_ew: float = 0.0
+    work_ew: float = 0.0
+    # the need's recent peaks: (bucket start, max need) over the last reuse_horizon_s
+    recent_need: tuple[tuple[float, int], ...] = ()
 
 
 def staffed(rate: float, sigma: float, rho: float, z: float, beta: float) -> float:
     """Replicas for a forecast `rate` with error `sigma`: `(R + sqrt(b^2 R + (z s)^2)) / rho`."""
     r = max(0.0, rate)
     return (r + math.sqrt(beta * beta * r + (z * sigma) ** 2)) / rho
+
+
+def _window_max(
+    buckets: tuple[tuple[float, int], ...], now: float, value: int, window_s: float
+) -> tuple[tuple[float, int], ...]:
+    """Add `value` at `now` to per-bucket maxima (10 buckets per window); drop old buckets."""
+    width = max(1e-9, window_s / 10.0)
+    kept = [(t, n) for t, n in buckets if now - t < window_s]
+    if kept and now - kept[-1][0] < width:
+        kept[-1] = (kept[-1][0], max(kept[-1][1], value))
+    else:
+        kept.append((now, value))
+    return tuple(kept)
 
 
 def _ceil(x: float) -> int:
@@ -135,21 +189,46 @@ class HeadroomPolicy:
             return self._finish(ctx, state, now, current, ScaleReason.NO_DATA, detail, state)
 
         fcfg = replace(cfg.forecast, horizon_s=lead)
+        share = state.prefill_ew / state.work_ew if state.work_ew > 0 else -1.0
+        prefill_rate = s.prefill_work_s / s.interval_s
+        burst_w = self._bursts(fcfg, state, s.t_s, prefill_rate, s.prefill_work_s, share)
+        # the prefill share of the work: a ratio of EW means (memory burst_memory_s / 6)
+        gap = max(0.0, s.t_s - state.forecast.t_s) if state.forecast.n else cfg.burst_memory_s
+        w = 1.0 - math.exp(-gap / (cfg.burst_memory_s / 6.0))
+        p_ew = state.prefill_ew + w * (prefill_rate - state.prefill_ew)
+        t_ew = state.work_ew + w * (s.rate - state.work_ew)
+        phi = p_ew / t_ew if t_ew > 0 else 1.0
         fst = observe(fcfg, state.forecast, s.t_s, s.rate)
         pm, scv = state.prefill_mean_s, state.prefill_scv
         if s.arrivals > 0 and s.prefill_mean_s > 0:
             pm, scv = s.prefill_mean_s, s.prefill_scv
-        rho = cfg.capacity.utilization_target(
-            pm if pm > 0 else cfg.default_prefill_mean_s, scv if pm > 0 else cfg.default_prefill_scv
-        )
-        rho = min(1.0, max(0.05, rho))
+        pm_, scv_ = (pm, scv) if pm > 0 else (cfg.default_prefill_mean_s, cfg.default_prefill_scv)
         sigma = upside_sigma_at_horizon(fcfg, fst)
         pk = peak(fcfg, fst, lead, cfg.peak_steps)
+        level = current_level(fcfg, fst)
         pk_keep = peak(fcfg, fst, lead + cfg.reuse_horizon_s, cfg.peak_steps)
-        need_rate = staffed(pk, sigma, rho, cfg.z, cfg.beta)
+        burst = burst_quantile(burst_w, cfg.burst_quantile)
+        need_rate, rho = self._rate_need(pk, sigma, pm_, scv_, current)
+        # a tick's burst may outrun the fleet as long as its backlog drains within the TTFT
+        # waiting budget b: capacity >= burst rate * tick / (tick + b)
+        absorb = ctx.tick_s / (ctx.tick_s + max(0.0, cfg.capacity.ttft_slo_s - pm_))
+        # TTFT waits on prefill: only the prefill part of the level is bursty at this scale;
+        # decode work is spread over the outputs' lifetimes
+        surge = (1.0 - phi) + phi * burst * absorb
+        need_burst = surge * pk + cfg.z * sigma
         need_back = max(0.0, s.backlog_work_s) / (cfg.drain_time_s or lead)
-        up = _ceil(need_rate + need_back + cfg.spare)
-        keep = max(up, _ceil(staffed(pk_keep, sigma, rho, cfg.z, cfg.beta) + need_back + cfg.spare))
+        up = _ceil(max(need_rate, need_burst) + need_back + cfg.spare)
+        keep_rate, _ = self._rate_need(pk_keep, sigma, pm_, scv_, current)
+        keep_burst = surge * pk_keep + cfg.z * sigma
+        # what to keep: the need at the forecast peak over the look-ahead, and the largest need
+        # of the last re-use horizon: demand that came and went within it is expected back, and
+        # a replica shed now could not return in time
+        recent = _window_max(state.recent_need, now, up, cfg.reuse_horizon_s)
+        keep = max(
+            up,
+            _ceil(max(keep_rate, keep_burst) + need_back + cfg.spare),
+            max((n for _, n in recent), default=0),
+        )
         keep = min(ctx.max_replicas, max(ctx.min_replicas, keep))
         break_even = (ctx.load_time_s if cfg.reload_cost_s is None else cfg.reload_cost_s) / 1.0
         warming = fst.n < 2 or fst.t_s - fst.t_first_s < cfg.warmup_s
@@ -158,7 +237,7 @@ class HeadroomPolicy:
         if warming:
             desired, reason = max(current, up), ScaleReason.WARMING_UP
         elif up > current:
-            rate_only = _ceil(need_rate + cfg.spare) > current
+            rate_only = _ceil(max(need_rate, need_burst) + cfg.spare) > current
             desired = up
             reason = ScaleReason.FORECAST_UP if rate_only else ScaleReason.BACKLOG_DRAIN
         elif fleet.loading > 0 and up > fleet.ready:
@@ -170,14 +249,16 @@ class HeadroomPolicy:
         else:
             surplus = now if state.surplus_since_s is None else state.surplus_since_s
             if now - surplus >= break_even:
-                desired, reason = keep, ScaleReason.SCALE_DOWN
+                desired = min(current, keep + math.floor(keep * cfg.down_margin))
+                reason = ScaleReason.SCALE_DOWN if desired < current else ScaleReason.HOLD
             else:
                 desired, reason = current, ScaleReason.DOWN_NOT_WORTH_IT
 
         figures: tuple[tuple[str, float], ...] = (
             *base,
             ("rate", s.rate),
-            ("level", current_level(fcfg, fst)),
+            ("level", level),
+            ("need_recent_peak", float(max((n for _, n in recent), default=0))),
             ("trend", fst.trend),
             ("forecast_peak", pk),
             ("forecast_peak_keep", pk_keep),
@@ -186,6 +267,10 @@ class HeadroomPolicy:
             ("bias_h", bias_at_horizon(fcfg, fst)),
             ("rho_target", rho),
             ("need_rate", need_rate),
+            ("burst_factor", burst),
+            ("prefill_share", phi),
+            ("surge", surge),
+            ("need_burst", need_burst),
             ("need_backlog", need_back),
             ("need", float(up)),
             ("keep", float(keep)),
@@ -199,8 +284,54 @@ class HeadroomPolicy:
             surplus_since_s=surplus,
             prefill_mean_s=pm,
             prefill_scv=scv,
+            burst_w=burst_w,
+            prefill_ew=p_ew,
+            work_ew=t_ew,
+            recent_need=recent,
         )
         return self._finish(ctx, state, now, desired, reason, figures, new)
+
+    def _rate_need(
+        self, rate: float, sigma: float, prefill_mean: float, scv: float, current: int
+    ) -> tuple[float, float]:
+        """Replicas for the forecast `rate` at the pooled utilization target of the fleet size
+        it implies (a few fixed-point steps from the current size)."""
+        cfg = self.config
+        n = max(1, current)
+        need, rho = 0.0, 1.0
+        for _ in range(4):
+            rho = min(1.0, max(0.05, cfg.capacity.utilization_target(prefill_mean, scv, n)))
+            need = staffed(rate, sigma, rho, cfg.z, cfg.beta)
+            nxt = max(1, _ceil(need))
+            if nxt == n:
+                break
+            n = nxt
+        return need, rho
+
+    def _bursts(
+        self,
+        fcfg: ForecastConfig,
+        state: HeadroomState,
+        t: float,
+        rate: float,
+        work: float,
+        share: float,
+    ) -> tuple[float, ...]:
+        """Decay the burst histogram to `t` and add this tick's prefill rate over its recent
+        mean, weighted by its prefill work (the quantile is over the requests that meet the
+        fleet)."""
+        cfg = self.config
+        fst = state.forecast
+        weights = state.burst_w or empty_bursts()
+        if fst.n < 2 or work <= 0 or share <= 0:
+            return weights
+        # against the EW mean of the prefill rate (memory burst_memory_s / 6): the burst is
+        # the prefill arriving in this tick over its recent mean, whatever the decode does
+        level = state.prefill_ew
+        if level <= 1e-9:
+            return weights
+        decay = math.exp(-max(0.0, t - fst.t_s) / cfg.burst_memory_s)
+        return add_burst(weights, rate / level, work, decay)
 
     def _finish(
         self,

@@ -167,9 +167,10 @@ class _Host:
         policy: ScalingPolicy[Any],
         config: AutoscaleConfig,
         timeline: list[TickPoint],
+        state: Any = None,
     ) -> None:
         self.sim, self.meter, self.policy, self.config = sim, meter, policy, config
-        self.state: Any = policy.initial_state()
+        self.state: Any = policy.initial_state() if state is None else state
         self.timeline = timeline
         self._busy: dict[str, float] = {}
 
@@ -235,8 +236,10 @@ def run_autoscaled(
     block_ids: Sequence[Ids] | None = None,
     id_floor: int = 0,
     progress: Callable[[int], None] | None = None,
+    initial_state: Any = None,
 ) -> AutoscaleRun:
-    """Replay `trace` on a fleet of `initial_replicas` that `policy` resizes every tick."""
+    """Replay `trace` on a fleet of `initial_replicas` that `policy` resizes every tick
+    (starting from `initial_state`, e.g. a state warmed on the previous day; None: fresh)."""
     n0 = min(config.max_replicas, max(config.min_replicas, initial_replicas))
     cap = capacity or SloCapacity.build(fleet.profile, config.ttft_slo_s, config.tpot_slo_s)
     sim = FleetSim(
@@ -246,7 +249,7 @@ def run_autoscaled(
     run = AutoscaleRun(
         policy.name, FleetResult([], [], 0.0, 0.0, 0.0), config, fleet.profile.tp, n0
     )
-    host = _Host(sim, meter, policy, config, run.timeline)
+    host = _Host(sim, meter, policy, config, run.timeline, initial_state)
     sim.observer = meter
     sim.tick_s = config.tick_s
     sim.on_tick = host.tick

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -193,3 +194,51 @@ def test_static_peak_never_scales() -> None:
     result = run(StaticPeakPolicy(StaticPeakConfig(replicas=3)), steady(2.0, 60.0), n0=3)
     assert result.scale_changes() == []
     assert {p.ordered for p in result.timeline} == {3}
+
+
+@pytest.mark.parametrize(
+    ("start", "needed", "most", "found"),
+    [(10, 7, 64, 7), (3, 7, 64, 7), (7, 7, 64, 7), (1, 1, 64, 1), (5, 40, 64, 40), (5, 99, 64, 64)],
+)
+def test_static_search_finds_the_smallest_fleet_meeting_the_target(
+    start: int, needed: int, most: int, found: int
+) -> None:
+    from types import SimpleNamespace
+
+    from autoscaler.backtest import static_search
+
+    tried: list[int] = []
+
+    def replay(n: int) -> Any:
+        tried.append(n)
+        return SimpleNamespace(n=n, slo_attainment=lambda: 0.995 if n >= needed else 0.9)
+
+    run, seen = static_search(replay, start, 0.99, most)
+    assert getattr(run, "n") == found  # noqa: B009
+    assert len(tried) == len(set(tried))  # no count replayed twice
+    assert len(tried) <= 2 * most.bit_length() + 2
+    assert set(seen) == set(tried)
+
+
+def test_prewarm_replays_the_day_before_from_arrivals_alone() -> None:
+    from autoscaler.backtest import arrival_samples, prewarm
+    from autoscaler.capacity import SloCapacity
+    from autoscaler.headroom import HeadroomConfig, HeadroomPolicy
+    from controlplane.roofline.profile import profile
+    from controlplane.sim.autoscale import AutoscaleConfig
+    from controlplane.traces.model import Trace, TraceRequest
+
+    reqs = tuple(
+        TraceRequest(arrival_s=0.5 * i, prompt_tokens=1000, output_tokens=50) for i in range(400)
+    )
+    trace = Trace(name="flat", requests=reqs)
+    cap = SloCapacity.build(profile("h100", "llama-3.1-8b"), 2.0, 0.1)
+    samples = arrival_samples(trace, cap, 5.0, -300.0)
+    assert sum(s.arrivals for s in samples) == 400
+    total = sum(s.prefill_work_s + s.decode_work_s for s in samples)
+    assert total == pytest.approx(400 * cap.request_work(1000, 50))
+    assert all(s.t_s < 0 for s in samples[:-1])
+    policy = HeadroomPolicy(HeadroomConfig(cap))
+    state = prewarm(policy, trace, cap, AutoscaleConfig(tick_s=5.0), 3)
+    assert state.history == 2 * len(samples)  # two days of history before 0
+    assert state.forecast.t_s < 0 and state.last_target >= 1
