@@ -12,8 +12,10 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
        R          = peak(L)                             the level's forecast peak, [now, now + L]
        need_rate  = (R + sqrt(beta^2 R + (z sigma_L)^2)) / rho*(n)
        need_burst = ((1 - phi) + phi * F_q * tick / (tick + b)) * R + z sigma_L
-       need_back  = backlog_work_s / drain_time_s      (drain_time_s defaults to L)
+       need_back  = (backlog_work_s - spare_ready * D) / D   (>= 0; D = drain_time_s, or L)
        up         = ceil(max(need_rate, need_burst) + need_back + spare)
+   - `spare_ready = ready - max(need_rate, need_burst)`: what the ready fleet drains by itself
+     within D; only the rest of the backlog buys replicas.
    - `sigma_L` is the forecaster's own error at horizon L, scored against the level (not the
      noisy sample), upside only (the RMS of its under-forecasts, so a positive bias counts and a
      missed drop does not); `beta sqrt(R)` is square-root staffing for the Poisson
@@ -106,7 +108,7 @@ class HeadroomConfig:
     # bursts shorter than the lead time: the work-weighted `burst_quantile` of the tick rate
     # over the forecast level, remembered over `burst_memory_s`; the fleet keeps that multiple
     # of the level at `burst_utilization`
-    burst_quantile: float = 0.995
+    burst_quantile: float = 0.999
     burst_memory_s: float = 3600.0
     # the level the fleet follows is slow (time constant ~330 s, shifts confirmed after 300 s):
     # swings shorter than the lead time cannot be followed, so they belong to the burst
@@ -130,6 +132,8 @@ class HeadroomState:
     prefill_mean_s: float = 0.0  # last seen prefill moments (0: none yet)
     prefill_scv: float = 1.0
     burst_w: tuple[float, ...] = ()  # prefill-work-weighted histogram of prefill burst ratios
+    # ticks awaiting judgement: (t, prefill rate, prefill work, its recent mean then)
+    burst_pending: tuple[tuple[float, float, float, float], ...] = ()
     # EW means of the arrived prefill and total work rates (their ratio: the prefill share)
     prefill_ew: float = 0.0
     work_ew: float = 0.0
@@ -191,7 +195,6 @@ class HeadroomPolicy:
         fcfg = replace(cfg.forecast, horizon_s=lead)
         share = state.prefill_ew / state.work_ew if state.work_ew > 0 else -1.0
         prefill_rate = s.prefill_work_s / s.interval_s
-        burst_w = self._bursts(fcfg, state, s.t_s, prefill_rate, s.prefill_work_s, share)
         # the prefill share of the work: a ratio of EW means (memory burst_memory_s / 6)
         gap = max(0.0, s.t_s - state.forecast.t_s) if state.forecast.n else cfg.burst_memory_s
         w = 1.0 - math.exp(-gap / (cfg.burst_memory_s / 6.0))
@@ -199,6 +202,9 @@ class HeadroomPolicy:
         t_ew = state.work_ew + w * (s.rate - state.work_ew)
         phi = p_ew / t_ew if t_ew > 0 else 1.0
         fst = observe(fcfg, state.forecast, s.t_s, s.rate)
+        burst_w, pending = self._bursts(
+            fcfg, state, fst, s.t_s, prefill_rate, s.prefill_work_s, share
+        )
         pm, scv = state.prefill_mean_s, state.prefill_scv
         if s.arrivals > 0 and s.prefill_mean_s > 0:
             pm, scv = s.prefill_mean_s, s.prefill_scv
@@ -216,7 +222,11 @@ class HeadroomPolicy:
         # decode work is spread over the outputs' lifetimes
         surge = (1.0 - phi) + phi * burst * absorb
         need_burst = surge * pk + cfg.z * sigma
-        need_back = max(0.0, s.backlog_work_s) / (cfg.drain_time_s or lead)
+        # the backlog the ready replicas cannot drain with their spare capacity within the
+        # drain time is what extra replicas are for (those ordered now arrive after L anyway)
+        drain = cfg.drain_time_s or lead
+        spare_ready = max(0.0, fleet.ready - max(need_rate, need_burst))
+        need_back = max(0.0, s.backlog_work_s - spare_ready * drain) / drain
         up = _ceil(max(need_rate, need_burst) + need_back + cfg.spare)
         keep_rate, _ = self._rate_need(pk_keep, sigma, pm_, scv_, current)
         keep_burst = surge * pk_keep + cfg.z * sigma
@@ -285,6 +295,7 @@ class HeadroomPolicy:
             prefill_mean_s=pm,
             prefill_scv=scv,
             burst_w=burst_w,
+            burst_pending=pending,
             prefill_ew=p_ew,
             work_ew=t_ew,
             recent_need=recent,
@@ -312,26 +323,34 @@ class HeadroomPolicy:
         self,
         fcfg: ForecastConfig,
         state: HeadroomState,
+        fst: ForecastState,
         t: float,
         rate: float,
         work: float,
         share: float,
-    ) -> tuple[float, ...]:
-        """Decay the burst histogram to `t` and add this tick's prefill rate over its recent
-        mean, weighted by its prefill work (the quantile is over the requests that meet the
-        fleet)."""
+    ) -> tuple[tuple[float, ...], tuple[tuple[float, float, float, float], ...]]:
+        """Decay the burst memory to `t`; judge the ticks older than the forecaster's
+        level-shift confirmation time with that hindsight: a tick's prefill rate over the larger
+        of its recent mean then (EW, memory burst_memory_s / 6) and the level now (times the
+        prefill share). A burst is still a burst; the first minutes of a sustained step are
+        part of the new level, not a burst to carry for an hour. Weighted by prefill work (the
+        quantile is over the requests that meet the fleet)."""
         cfg = self.config
-        fst = state.forecast
         weights = state.burst_w or empty_bursts()
-        if fst.n < 2 or work <= 0 or share <= 0:
-            return weights
-        # against the EW mean of the prefill rate (memory burst_memory_s / 6): the burst is
-        # the prefill arriving in this tick over its recent mean, whatever the decode does
-        level = state.prefill_ew
-        if level <= 1e-9:
-            return weights
-        decay = math.exp(-max(0.0, t - fst.t_s) / cfg.burst_memory_s)
-        return add_burst(weights, rate / level, work, decay)
+        if state.forecast.n:
+            decay = math.exp(-max(0.0, t - state.forecast.t_s) / cfg.burst_memory_s)
+            weights = tuple(w * decay for w in weights)
+        pending = state.burst_pending
+        if work > 0 and state.prefill_ew > 0:
+            pending = (*pending, (t, rate, work, state.prefill_ew))
+        level_now = current_level(fcfg, fst) * max(0.0, share)
+        keep = []
+        for t0, r, w, mean in pending:
+            if t - t0 >= fcfg.shift_confirm_s:
+                weights = add_burst(weights, r / max(mean, level_now), w, 1.0)
+            else:
+                keep.append((t0, r, w, mean))
+        return weights, tuple(keep)
 
     def _finish(
         self,

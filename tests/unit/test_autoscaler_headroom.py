@@ -4,6 +4,7 @@ term, ski-rental scale-down, reasons and determinism. Contexts are built directl
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -220,14 +221,25 @@ def test_bounds_and_rate_limits_hold_for_any_sample_and_fleet(
 
 
 # -- backlog --------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("backlog", "target"), [(0.0, 5), (100.0, 6), (500.0, 10), (1000.0, 15)])
-def test_backlog_term_adds_backlog_over_drain_time(backlog: float, target: int) -> None:
+@pytest.mark.parametrize(("backlog", "ready"), [(0.0, 5), (100.0, 5), (500.0, 5), (1000.0, 5)])
+def test_backlog_term_adds_what_the_ready_fleet_cannot_drain(backlog: float, ready: int) -> None:
     policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), drain_time_s=100.0, max_step_up=64))
-    state = warmed(policy, 3.0, 5)
-    d, _ = policy.decide(context(sample(400.0, 3.0, backlog), 5), state, 400.0)
-    assert d.target == target
-    assert d.figures()["need_backlog"] == pytest.approx(backlog / 100.0)
-    assert d.reason == (ScaleReason.HOLD if backlog == 0 else ScaleReason.BACKLOG_DRAIN)
+    state = warmed(policy, 3.0, ready)
+    d, _ = policy.decide(context(sample(400.0, 3.0, backlog), ready), state, 400.0)
+    f = d.figures()
+    base = max(f["need_rate"], f["need_burst"])
+    spare = max(0.0, ready - base)
+    assert f["need_backlog"] == pytest.approx(max(0.0, backlog - spare * 100.0) / 100.0)
+    assert d.target == max(ready, math.ceil(base + f["need_backlog"] - 1e-9))
+    grows = f["need_backlog"] > 0 and d.target > ready
+    assert d.reason == (ScaleReason.BACKLOG_DRAIN if grows else ScaleReason.HOLD)
+
+
+def test_a_backlog_the_ready_spare_drains_orders_nothing() -> None:
+    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), drain_time_s=100.0))
+    state = warmed(policy, 3.0, 20)
+    d, _ = policy.decide(context(sample(400.0, 3.0, 500.0), 20), state, 400.0)
+    assert d.figures()["need_backlog"] == 0.0  # 15 spare replicas drain 500 s of work in 100 s
 
 
 # -- ski-rental scale-down ------------------------------------------------------------------------
