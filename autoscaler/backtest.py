@@ -94,6 +94,8 @@ class TraceBacktest:
     setup: dict[str, float] = field(default_factory=dict)
     # (window middle s, arrived work per second in replicas), 60-s windows
     demand: tuple[list[float], list[float]] = ([], [])
+    # static_peak's search: (fleet size, SLO attainment) of every size replayed
+    static_search: list[tuple[int, float]] = field(default_factory=list)
 
     def to_json(self, *, timeline: bool = True) -> dict[str, object]:
         return {
@@ -101,6 +103,7 @@ class TraceBacktest:
             "requests": self.requests,
             "span_s": self.span_s,
             "setup": self.setup,
+            "static_search": [[n, a] for n, a in self.static_search],
             "policies": {n: r.to_json(timeline=timeline) for n, r in self.runs.items()},
         }
 
@@ -308,7 +311,7 @@ def backtest_one(
             tb.runs[name] = run
             tb.setup["static_peak_replicas"] = float(run.initial_replicas)
             tb.setup["static_peak_rule_replicas"] = float(fixed)
-            tb.setup["static_search"] = [[float(n), a] for n, a in sorted(tried.items())]  # type: ignore[assignment]
+            tb.static_search = sorted(tried.items())
             continue
         if on_policy_start is not None:
             on_policy_start(name, len(trace))

@@ -21,6 +21,7 @@ BENCHES = (
     # after quota_bench: both write out/bench/fairness.json, this one merges into it
     "fairness_bench.py",
     "autoscale_bench.py",
+    "autoscale_hpa.py",
 )
 
 

@@ -71,7 +71,10 @@ def print_backtest(result: BacktestResult, console: Console = out) -> None:
                 f"{j['ttft_p99_s']:.2f}",
             )
         console.print(table)
-        setup = ", ".join(f"{k}={v:.3g}" for k, v in tb.setup.items())
+        setup = ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, int | float) else f"{k}={v}"
+            for k, v in tb.setup.items()
+        )
         console.print(f"load time {tb.load_time_s:.0f} s; {setup}")
     console.print(f"backtest wall time {result.wall_s:.0f} s")
 
@@ -127,11 +130,11 @@ def backtest_cmd(
             bar.update(current[0], completed=done)  # type: ignore[arg-type]
 
         result = backtest(traces, names, config, on_policy_start=start, progress=advance)
-    print_backtest(result)
-    if json_path is not None:
+    if json_path is not None:  # first: a long run's figures must not hang on the printing
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result.to_json(), indent=2))
         out.print(f"wrote {json_path}")
+    print_backtest(result)
     if plot is not None:
         from autoscaler.backtest_plot import plot_backtest
 
