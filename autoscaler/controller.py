@@ -68,7 +68,11 @@ class AutoscalerSettings(BaseSettings):
     policy_params: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments of the policy factory."
     )
-    tick_s: float = Field(default=10.0, gt=0, description="Seconds between two decisions.")
+    tick_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds between two decisions (the burst memory is measured at this scale).",
+    )
     load_time_s: float = Field(
         default=240.0, gt=0, description="Replica start-to-ready time until one is measured."
     )
