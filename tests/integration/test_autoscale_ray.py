@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import socket
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import pytest
 
 from autoscaler.hosts import LoadTimes
@@ -56,6 +58,16 @@ SERVICE_S = 0.4  # one request's time on a replica
 BATCH = 2  # requests a replica serves at once
 WORK_S = SERVICE_S / BATCH  # replica-seconds of one request
 APP, DEPLOYMENT = "autoscale", "engine"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+HTTP_PORT = _free_port()
 
 
 @dataclass
@@ -208,7 +220,9 @@ class Engine:
         self.running = 0
         self.slots: asyncio.Semaphore | None = None
 
-    async def __call__(self, i: int) -> int:
+    async def __call__(self, request: Any) -> int:
+        # called over Serve's HTTP proxy (no driver-side handle outlives the module's Ray session)
+        i = int(request.query_params.get("k", "0")) if hasattr(request, "query_params") else request
         self.slots = self.slots or asyncio.Semaphore(BATCH)
         self.totals.arrived(0.25 * WORK_S, 0.75 * WORK_S)
         self.waiting += 1
@@ -237,7 +251,7 @@ def cluster() -> Iterator[None]:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start()
+        serve.start(http_options={"host": "127.0.0.1", "port": HTTP_PORT})
         # this module is not importable in Ray's workers: its classes travel by value
         cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
         yield
@@ -281,16 +295,19 @@ def test_deployment_scales_up_under_load_and_back_down_idle(cluster: None) -> No
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # type: ignore[no-untyped-call]
-    handle = serve.run(deployment.bind(), name=APP, route_prefix=None)
+    serve.run(deployment.bind(), name=APP, route_prefix="/tiny")
     assert running_replicas() == 1
 
     stop = threading.Event()
+    url = f"http://127.0.0.1:{HTTP_PORT}/tiny"
 
     def client(k: int) -> int:
         served = 0
-        while not stop.is_set():
-            assert handle.remote(k).result(timeout_s=60) == k
-            served += 1
+        with httpx.Client(timeout=60.0) as http:
+            while not stop.is_set():
+                r = http.get(url, params={"k": k})
+                assert r.status_code == 200 and r.json() == k
+                served += 1
         return served
 
     with ThreadPoolExecutor(16) as pool:
