@@ -41,7 +41,10 @@ def test_quota_hard_bound_over_four_routers(model_dir: Path, redis_server: Redis
     # exactly once: every reservation settled by a router, none twice, none left open; every
     # request met the quota once (a client that left early may not have seen its 429)
     s = run.stats
-    assert s.reserved + s.rejected == 64 and s.rejected >= run.statuses["429"]
+    # (a 503 answered before the quota, e.g. while the killed replica was still listed, never
+    # met it; one answered after reserving is settled like any other)
+    met = s.reserved + s.rejected
+    assert 64 - run.statuses.get("503", 0) <= met <= 64 and s.rejected >= run.statuses["429"]
     assert (s.settled, s.open, s.duplicate, s.late, s.unknown, s.expired) == (
         s.reserved,
         0,
