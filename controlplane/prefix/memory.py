@@ -150,6 +150,20 @@ class InMemoryPrefixIndex:
                 out[rid] = PrefixMatch(rid, matched, confirmed)
         return out
 
+    def holdings(self, replica_id: str, hashes: Sequence[int]) -> tuple[list[bool], int]:
+        """Block by block: is each block of `hashes` confirmed on the replica; and how many
+        leading blocks a live speculative chain covers. What an index that searches instead of
+        walking (the Redis one) is checked against."""
+        held = self._confirmed.get(replica_id, set())
+        now = self._clock()
+        spec = 0
+        by_first = self._speculative.get(replica_id)
+        if hashes and by_first:
+            for exp, chain in by_first.get(hashes[0], ()):
+                if exp > now:
+                    spec = max(spec, _common_prefix(hashes, chain))
+        return [h in held for h in hashes], spec
+
     def _holds(self, replica_id: str, h: int) -> bool:
         held = self._confirmed.get(replica_id)
         return held is not None and h in held

@@ -5,7 +5,9 @@ an equal prefix up to block i. Entries are either *confirmed* (a KV event said t
 the block) or *speculative* (a router sent a request there and expects the replica to compute the
 blocks; these expire after a TTL unless events confirm them). A lookup returns, per candidate
 replica, how many leading blocks of the query it holds: the first block held by neither kind ends
-the match, as vLLM's own lookup stops at the first miss.
+the match, as vLLM's own lookup stops at the first miss. (The Redis index finds that block by a
+search that takes a replica's held blocks along one chain to be a prefix, as they are in vLLM;
+where the index holds a gap it answers some boundary at or after it: see `redis_lua.LOOKUP`.)
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ the prefix and replica ids, values hold 64-bit block hashes and numbers, never t
 
 Every key has a TTL: `c`/`t` = entry TTL, refreshed on store; `s` >= its latest score.
 
-Replica-major rather than one key per block (llm-d's and AIBrix's layout): a lookup reads each
-candidate's run of blocks in batches (one command per up to 128 blocks, not one per block),
+Replica-major rather than one key per block (llm-d's and AIBrix's layout): a lookup searches each
+candidate's run of blocks (a few commands of six blocks each, not one read per block),
 `clear` and a new incarnation are one `UNLINK` (freed off the main thread), expiry and the cap are
 range operations on the lowest scores, and an entry costs a SET plus a ZSET element (~180 bytes
 per confirmed block, measured) instead of a key, a hash field and an index element.
