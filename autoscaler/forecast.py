@@ -41,6 +41,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Literal
+
+from controlplane.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +64,16 @@ class ForecastConfig:
     # what a horizon forecast is scored against: "value" (the raw sample) or "level" (the
     # smoothed level + season at the due time: the error of forecasting the level, without
     # the sample noise; for a user that covers bursts with a separate term)
-    horizon_target: str = "value"
+    horizon_target: Literal["value", "level"] = "value"
     ring_size: int = 16
     horizon_memory: int = 64
     min_horizon_residuals: int = 8
+
+    def __post_init__(self) -> None:
+        if self.horizon_target not in ("value", "level"):
+            raise ConfigError(
+                f"horizon_target must be 'value' or 'level', not {self.horizon_target!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 from concurrent.futures import ProcessPoolExecutor
 
-from common import console, out_dir, print_table, write_json
+from common import console, out_dir, write_json
 
 from autoscaler.backtest import (
     DEFAULT_TRACES,
@@ -27,6 +27,7 @@ from autoscaler.backtest import (
     backtest,
 )
 from autoscaler.backtest_plot import plot_backtest
+from controlplane.cli.autoscale_backtest import print_backtest
 from controlplane.sim.autoscale import AutoscaleConfig
 
 
@@ -75,32 +76,7 @@ def main() -> None:
             part = fut.result()
             result.traces.update(part.traces)
             result.wall_s = max(result.wall_s, part.wall_s)
-    for name, tb in result.traces.items():
-        static = tb.runs["static_peak"].gpu_hours() if "static_peak" in tb.runs else 0.0
-        print_table(
-            f"{name}: {tb.requests} requests, load time {tb.load_time_s:.0f} s",
-            [
-                "policy",
-                "TTFT att.",
-                "TPOT att.",
-                "GPU-hours",
-                "vs static",
-                "scale events",
-                "dir. changes",
-            ],
-            [
-                (
-                    policy,
-                    f"{run.slo_attainment():.2%}",
-                    f"{run.tpot_attainment():.2%}",
-                    run.gpu_hours(),
-                    f"{run.gpu_hours() / static:.0%}" if static else "-",
-                    len(run.scale_changes()),
-                    run.direction_changes(),
-                )
-                for policy, run in tb.runs.items()
-            ],
-        )
+    print_backtest(result, console)
     checks = goal(result)
     for name, c in checks.items():
         console.print(

@@ -21,6 +21,7 @@ from autoscaler.forecast import (
     sigma_at_horizon,
     upside_sigma_at_horizon,
 )
+from controlplane.errors import ConfigError
 
 FLAT = ForecastConfig(season_s=0.0)  # no seasonality
 TICK = 10.0
@@ -165,3 +166,8 @@ def test_ring_of_pending_forecasts_stays_small() -> None:
     cfg = ForecastConfig(season_s=0.0, horizon_s=2000.0, ring_size=8)
     state = feed(cfg, [1.0] * 500)
     assert 1 <= len(state.pending) <= 8
+
+
+def test_an_unknown_horizon_target_is_refused() -> None:
+    with pytest.raises(ConfigError, match="horizon_target"):
+        ForecastConfig(horizon_target="lvl")  # type: ignore[arg-type]
