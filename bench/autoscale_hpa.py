@@ -21,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from common import console, out_dir, print_table, write_json
+from common import console, out_dir, print_table, save_figure, write_json
 
 from autoscaler.baselines import HpaGpuUtilPolicy
 from autoscaler.capacity import SloCapacity
@@ -151,11 +151,7 @@ def _plot(ends: Any, series: dict[str, list[dict[str, float]]]) -> None:
     axes[2].set_xlabel("minutes from the load step")
     axes[2].legend(loc="upper left")
     fig.suptitle("HPA on GPU utilization vs headroom on a 30x load step (70B TP4, 240 s load)")
-    fig.tight_layout()
-    path = out_dir() / "autoscale_hpa.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    console.print(f"wrote {path}")
+    save_figure(fig, out_dir() / "autoscale_hpa.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -9,9 +9,13 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 console = Console(width=None if sys.stdout.isatty() else 160)
 
@@ -45,3 +49,14 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[obje
     for row in rows:
         table.add_row(*(f"{v:,.3f}" if isinstance(v, float) else str(v) for v in row))
     console.print(table)
+
+
+def save_figure(fig: Figure, path: Path, dpi: int = 110) -> Path:
+    """Lay the figure out, write it as a PNG at `path`, and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    console.print(f"wrote {path}")
+    return path

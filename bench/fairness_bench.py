@@ -64,7 +64,7 @@ from dataclasses import replace
 from typing import Any
 
 import numpy as np
-from common import console, machine, out_dir, print_table
+from common import console, machine, out_dir, print_table, save_figure
 
 from controlplane.roofline import profile
 from controlplane.roofline.profile import EngineProfile
@@ -552,11 +552,7 @@ def _plot(docs: dict[str, Any], flood: dict[str, Any]) -> None:
     ax2.set_ylabel("interactive TPOT p99 (ms)")
     ax2.set_title(f"batch flood: batch KV cap {flood['batch_kv_share']:.1%}")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = out_dir() / "fairness.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    console.print(f"wrote {path}")
+    save_figure(fig, out_dir() / "fairness.png")
 
 
 def write_merged(payload: dict[str, Any]) -> None:

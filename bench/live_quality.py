@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import console, out_dir, print_table, write_json
+from common import console, out_dir, print_table, save_figure, write_json
 from live_stack import (
     MODEL,
     OurRouter,
@@ -358,10 +358,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         f"~{w['doc_tokens']} tokens, {w['rate_rps']:g} req/s, 2 simulated replicas x "
         f"{w['kv_blocks']} KV blocks"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    console.print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

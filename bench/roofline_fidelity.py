@@ -7,7 +7,7 @@ out/bench/roofline_fidelity.json and out/bench/roofline_vidur.png.
 
 from __future__ import annotations
 
-from common import console, out_dir, print_table, write_json
+from common import console, out_dir, print_table, save_figure, write_json
 
 from controlplane.roofline.calibration import (
     TOLERANCE,
@@ -89,11 +89,7 @@ def _plot() -> None:
     ax.set_title("smooth roofline (lines) vs vidur's measured medians (points)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = out_dir() / "roofline_vidur.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    console.print(f"wrote {path}")
+    save_figure(fig, out_dir() / "roofline_vidur.png")
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from common import console, out_dir, print_table, write_json
+from common import console, out_dir, print_table, save_figure, write_json
 from live_stack import (
     MODEL,
     OurRouter,
@@ -417,10 +417,7 @@ def plot(result: dict[str, Any], samples: dict[str, list[float]], path: Path) ->
         f"router overhead: {result['setup']['replicas']} simulated replicas, loopback, "
         f"{result['cores']} cores shared by client, routers and replicas"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    console.print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

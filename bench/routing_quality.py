@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from common import console, out_dir, print_table, write_json
+from common import console, out_dir, print_table, save_figure, write_json
 
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig
@@ -169,11 +169,7 @@ def _plot(variants: dict[str, object]) -> None:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("seed experiment: routers, reservations and stale eviction notices")
-    fig.tight_layout()
-    path = out_dir() / "routing_ablation.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    console.print(f"wrote {path}")
+    save_figure(fig, out_dir() / "routing_ablation.png")
 
 
 def main() -> None:
