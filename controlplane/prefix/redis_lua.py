@@ -99,10 +99,7 @@ local function boundary(ck, sk, lo)
     for j = 1, #pos do
       if h[j] == 0 then cut = j break end
     end
-    if span <= K then
-      if cut == 0 then return hi end
-      return pos[cut]
-    end
+    -- a whole window is consecutive blocks: the update below then closes it at pos[cut]
     if cut == 0 then return hi end
     hi = pos[cut]
     if cut > 1 then lo = pos[cut - 1] + 1 end
