@@ -35,8 +35,9 @@ from typing import Any
 
 import httpx
 import yaml
+from redis_server import free_port
 from router_fixtures import MODEL, metric_value, sim_args
-from sim_fleet import SimReplica, free_port
+from sim_fleet import SimReplica
 
 from controlplane.tenancy.quota import QuotaStats
 from controlplane.tenancy.quota_redis import RedisQuotaStore

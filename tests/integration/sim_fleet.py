@@ -15,7 +15,6 @@ import contextlib
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,13 +27,6 @@ import httpx
 
 READY_PREFIX = "sim-replica ready at "
 ADMIN_TOKEN = "test-admin-token"
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class SimReplica:

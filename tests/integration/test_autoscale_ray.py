@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import socket
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import httpx
 import pytest
+from redis_server import free_port
 
 from autoscaler.hosts import LoadTimes
 from autoscaler.hosts.ray_serve import (
@@ -60,14 +60,7 @@ WORK_S = SERVICE_S / BATCH  # replica-seconds of one request
 APP, DEPLOYMENT = "autoscale", "engine"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-HTTP_PORT = _free_port()
+HTTP_PORT = free_port()
 
 
 @dataclass

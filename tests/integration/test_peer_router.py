@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from redis_server import free_port
 
 from deploy.local_fleet import FleetSpec, LocalFleet
 
@@ -34,13 +34,6 @@ def _router_binary() -> str | None:
 pytestmark = pytest.mark.skipif(_router_binary() is None, reason="vllm-router is not installed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 @pytest.fixture(scope="module")
 def sim_fleet() -> Iterator[LocalFleet]:
     spec = FleetSpec(replicas=2, engine="sim", base_port=0, model_name=MODEL, kv_events=False)
@@ -52,7 +45,7 @@ def sim_fleet() -> Iterator[LocalFleet]:
 def router(request: pytest.FixtureRequest, sim_fleet: LocalFleet) -> Iterator[tuple[str, str]]:
     binary = _router_binary()
     assert binary is not None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [
             binary,

@@ -26,8 +26,8 @@ import pytest
 import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from redis_server import RedisServer, available
-from sim_fleet import SimReplica, free_port
+from redis_server import RedisServer, available, free_port
+from sim_fleet import SimReplica
 
 from controlplane.errors import ConfigError
 from deploy.tiny_model import default_model_dir, make_tiny_model
