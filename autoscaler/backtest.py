@@ -15,7 +15,7 @@ How each policy is set up (documented choices, the same for every trace):
   utilization target), up by doubling steps until the target holds, then bisection between
   the last miss and the first hit (`static_search=False` keeps the rule's count). Provisioning
   for the peak means provisioning so that the peak is served; a count that misses the SLO is
-  not a peak provisioning. Every count tried is kept in `setup["static_search"]`;
+  not a peak provisioning. Every count tried is kept in `static_search` (fleet size, attainment);
 - `ray_default`: Ray Serve's defaults (target 2 ongoing requests per replica);
 - `kpa`: Knative's defaults with the per-replica concurrency target `kpa_target_concurrency`
   (Little's law at the SLO over the trace's mean request, capped by the SLO decode batch);

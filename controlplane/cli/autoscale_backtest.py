@@ -71,10 +71,7 @@ def print_backtest(result: BacktestResult, console: Console = out) -> None:
                 f"{j['ttft_p99_s']:.2f}",
             )
         console.print(table)
-        setup = ", ".join(
-            f"{k}={v:.3g}" if isinstance(v, int | float) else f"{k}={v}"
-            for k, v in tb.setup.items()
-        )
+        setup = ", ".join(f"{k}={v:.3g}" for k, v in tb.setup.items())
         console.print(f"load time {tb.load_time_s:.0f} s; {setup}")
     console.print(f"backtest wall time {result.wall_s:.0f} s")
 
