@@ -21,22 +21,24 @@ In the light variant, with vLLM's default chunking (`max_num_batched_tokens` = 8
 `long_prefill_token_threshold`), A's documents enter steps as 8,192-token chunks, and every chat
 prefill or decode sharing such a step waits ~0.2 s: B's TTFT p99 is ~25x alone. The replicas are
 then also run with vLLM's `--long-prefill-token-threshold` (`EngineProfile.
-long_prefill_token_threshold`: a request gets at most that many new tokens a step, before the
-budget clamp). The threshold comes from the roofline (`roofline_threshold`): B's TTFT is about the
-step in flight when a chat arrives plus the chat's own step, so it stays within 2x of alone when a
-step carrying a document chunk costs at most twice the step B alone runs (its 200-token prefill
-with its running decodes, their number by Little's law from the B-alone run). The step with the
-chunk (at its deepest context, the end of a 16k document) also carries A's documents decoding at
-~16k context: with one long prefill per replica at a time (the dispatch gate below) a document
-leaves prefill every 16000/chunk steps and decodes for 300, so 300 x chunk / 16000 of them run
-beside it (Little's law). The largest such chunk is 240 tokens (352 leaving A's decodes out),
-well below the 512-2,048 range usually tuned for throughput; the bench also sweeps 224-2,048 to
-show the trade between B's latency and A's document throughput (A's prompt tokens/s, first arrival
-to last finish: A is backlogged, so that is what the fleet has left for it), and breaks B's TTFT
-into the router queue (arrival to dispatch) and the engine (dispatch to first token; B's TPOT p99
-is the step time). Small chunks cost A throughput (each step pays the overhead and the weight
-reads for fewer prompt tokens); 1,024-2,048 are slightly faster than 8,192 (a chunk that size
-rides along with the memory-bound decode steps of A's 16k-context documents).
+long_prefill_token_threshold`: a request gets at most that many new tokens a step, before the budget
+clamp). The threshold comes from the roofline (`roofline_threshold`): a chat's TTFT tail is the
+whole step in flight when it arrives plus its own step. Alone, the step in flight is almost always a
+decode step of B's running chats (a chat prefill is in flight in ~6% of steps) and the chat's own
+step is its 200-token prefill beside those decodes (their number by Little's law from the B-alone
+run); with A backlogged every step also carries a document chunk. So B stays within 2x of alone when
+(chunk step) + (chunk step with the chat's prefill) costs at most twice (decode step) + (prefill
+step). The chunk is priced at its deepest context (the end of a 16k document), beside A's documents
+decoding at ~16k context: with one long prefill per replica at a time (the dispatch gate below) a
+document leaves prefill every 16000/chunk steps and decodes for 300, so 300 x chunk / 16000 of them
+run beside it (Little's law). The largest such chunk is 224 tokens (336 leaving A's decodes out),
+well below the 512-2,048 range usually tuned for throughput; the bench also sweeps 224-2,048 to show
+the trade between B's latency and A's document throughput (A's prompt tokens/s, first arrival to
+last finish: A is backlogged, so that is what the fleet has left for it), and breaks B's TTFT into
+the router queue (arrival to dispatch) and the engine (dispatch to first token; B's TPOT p99 is the
+step time). Small chunks cost A throughput (each step pays the overhead and the weight reads for
+fewer prompt tokens); 1,024-2,048 are slightly faster than 8,192 (a chunk that size rides along with
+the memory-bound decode steps of A's 16k-context documents).
 
 The tenant queue's dispatch gate (`controlplane.sim.tenant_queue`, `prefill_gate`) counts the
 prompt tokens each prefilling request takes per step (at most the replica's threshold), not the
@@ -86,9 +88,9 @@ LIGHT = {**DOCS, "chat_rate": 20.0}
 FLOOD = {"duration": 60.0, "chat_rate": 20.0, "batch_rate": 60.0}
 SLOWDOWN = 1.2
 DOC_PROMPT, DOC_OUTPUT, CHAT_PROMPT, CHAT_OUTPUT = 16_000, 300, 200, 200
-# long_prefill_token_threshold sweep (light variant), besides the roofline's choice (352: the
-# roofline's choice when A's decoding documents are left out of the step)
-THRESHOLD_SWEEP = (224, 256, 352, 512, 1024, 2048)
+# long_prefill_token_threshold sweep (light variant), besides the roofline's choice and its
+# choice when A's decoding documents are left out of the step
+THRESHOLD_SWEEP = (240, 256, 512, 1024, 2048)
 # the dispatch-gate diagnostic, at the chosen threshold: the gate without its long-prefill rule
 # (QueueConfig.long_prefills 0), only the per-step prompt tokens within prefill_steps budgets
 GATE_DIAGNOSTIC_PREFILL_STEPS = 2.0
@@ -111,16 +113,19 @@ def documents_decoding(chunk: int) -> float:
 
 
 def roofline_threshold(prof: EngineProfile, running: float, *, with_documents: bool = True) -> int:
-    """The largest chunk (a multiple of the block size) for which a step holding B's prefill,
-    `running` chat decodes, a document chunk at its deepest context and (`with_documents`) the
-    documents decoding beside it (`documents_decoding`, at their mean context) costs at most
-    twice the step B alone runs (its prefill and the same chat decodes)."""
+    """The largest chunk (a multiple of the block size) for which a chat's TTFT tail (the step in
+    flight when it arrives, then its own step with its prefill) costs at most twice what it costs
+    with B alone. Every step carries `running` chat decodes; with A, also a document chunk at its
+    deepest context and (`with_documents`) the documents decoding beside it (`documents_decoding`,
+    at their mean context)."""
     cost = StepCostModel.from_profile(prof)
     n, ctx = max(1, round(running)), CHAT_PROMPT + CHAT_OUTPUT // 2
     doc_ctx = DOC_PROMPT + DOC_OUTPUT // 2
 
-    def step(chunk: int) -> float:
-        parts = [(CHAT_PROMPT, 0)] + ([(chunk, DOC_PROMPT - chunk)] if chunk else [])
+    def step(chunk: int, chat_prefill: bool) -> float:
+        parts = ([(CHAT_PROMPT, 0)] if chat_prefill else []) + (
+            [(chunk, DOC_PROMPT - chunk)] if chunk else []
+        )
         docs = documents_decoding(chunk) if with_documents else 0.0
         seqs = n + docs
         reads = n * (ctx + 1) + docs * (doc_ctx + 1)
@@ -131,10 +136,13 @@ def roofline_threshold(prof: EngineProfile, running: float, *, with_documents: b
             pairs += new * cached + new * (new + 1) / 2
         return cost.step_time(tokens, kv, pairs, seqs + len(parts))
 
-    bs, limit = prof.resolved_block_size, 2.0 * step(0)
+    def ttft(chunk: int) -> float:
+        return step(chunk, chat_prefill=False) + step(chunk, chat_prefill=True)
+
+    bs, limit = prof.resolved_block_size, 2.0 * ttft(0)
     best = bs
     for chunk in range(bs, prof.resolved_max_num_batched_tokens + 1, bs):
-        if step(chunk) <= limit:
+        if ttft(chunk) <= limit:
             best = chunk
     return best
 
