@@ -17,10 +17,12 @@ one applied for this router), 11 nc, then nc x (tenant, counter delta), then nb,
 (tenant, class 0 interactive | 1 batch, requests queued here, head's prefill charge, head's
 reserved tokens, head's age in ms) for every tenant backlogged at this router.
 
-Reply: {1, tenant, counter after the charge, live routers} when a slot was granted (to the head
-of `tenant` here), else {0, reason, '', live routers}; reason = idle | full | turn | order |
-priority | batch_kv | synced | left. Floats cross as strings (`%.17g`, exact); counters never go
-below 0.
+Reply: {1, tenant, counter after the charge, live routers, free slots, backlogged tenants} when a
+slot was granted (to the head of `tenant` here), else {0, reason, '', live routers, free slots,
+backlogged tenants}; reason = idle | full | turn | order | priority | batch_kv | synced | left;
+free slots = the fleet's slots minus every live router's in-flight requests after the call,
+backlogged tenants = tenants waiting at any live router after the call. Floats cross as strings
+(`%.17g`, exact); counters never go below 0.
 """
 
 from __future__ import annotations
@@ -106,7 +108,7 @@ if ttl <= 0 then
   wake = redis.call('ZSCORE', ROUTERS, R) ~= false
   drop(R)
   notify(nil)
-  return {0, 'left', '', live()}
+  return {0, 'left', '', live(), '0', 0}
 end
 if redis.call('ZSCORE', ROUTERS, R) == false then redis.call('HINCRBY', ST, 'joined', 1) end
 redis.call('ZADD', ROUTERS, num(now + ttl), R)
@@ -162,7 +164,15 @@ for _, k in ipairs({ROUTERS, INF, BKV, SEQ, BL, CLS, VC, ST, Q(R)}) do
 end
 """
 
-SYNC = _COMMON + _STATE + "\nnotify(cap - sum(INF))\nreturn {0, 'synced', '', live()}\n"
+SYNC = (
+    _COMMON
+    + _STATE
+    + r"""
+local free = cap - sum(INF)
+notify(free)
+return {0, 'synced', '', live(), num(free), redis.call('HLEN', BL)}
+"""
+)
 
 ADMIT = (
     _COMMON
@@ -171,7 +181,7 @@ ADMIT = (
 local free = cap - sum(INF)
 local function refuse(reason)
   notify(free)
-  return {0, reason, '', live()}
+  return {0, reason, '', live(), num(free), redis.call('HLEN', BL)}
 end
 if not grant then return refuse('synced') end
 if nb == 0 then return refuse('idle') end
@@ -217,7 +227,7 @@ else
 end
 redis.call('HINCRBY', ST, 'granted', 1)
 notify(free - 1)
-return {1, c.t, flt(v), live()}
+return {1, c.t, flt(v), live(), num(free - 1), redis.call('HLEN', BL)}
 """
 )
 

@@ -148,13 +148,11 @@ class FairQueue:
         self.classes[tid] = tenant.priority
         fifo = self.fifos.setdefault(tid, deque())
         snap = self.snapshot()
-        if not self.queued and self._local():
-            free, batch_free = self._slots(snap)
-            if self._fits(t, free, batch_free):
-                self.state = vtc.on_arrival(self.state, tid)
-                self._admit(t, snap)
-                self.state = vtc.on_idle(self.state, tid)
-                return t
+        if not self.queued and self._admit_now(t, snap):
+            self.state = vtc.on_arrival(self.state, tid)
+            self._admit(t, snap)
+            self.state = vtc.on_idle(self.state, tid)
+            return t
         if len(fifo) >= tenant.max_queued:
             raise TenantQueueFullError(
                 f"tenant {tid} already has {len(fifo)} requests waiting (its limit)"
@@ -256,6 +254,10 @@ class FairQueue:
         self.dispatch()
 
     # -- hooks of a queue shared by several routers (`router/fair_shared.py`) ------------------
+    def _admit_now(self, t: Ticket, snap: FleetSnapshot) -> bool:
+        """May `t` go at once (nobody waits here)? Locally: when it fits the free slots."""
+        return self._local() and self._fits(t, *self._slots(snap))
+
     def _local(self) -> bool:
         """Does this queue admit on its own? (A shared one asks Redis while it answers.)"""
         return True

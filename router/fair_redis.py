@@ -72,6 +72,8 @@ class Reply:
     reason: str  # granted | idle | full | turn | priority | batch_kv | synced | left
     counter: float
     routers: int
+    free: int = 0  # the fleet's free slots after the call (every live router's in flight)
+    backlogged: int = 0  # tenants waiting at any live router after the call
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,12 +198,13 @@ class SharedFairStore:
         self.breaker.record_success()
         if batch:
             self._unconfirmed = None
-        ok, what, counter, routers = raw
+        ok, what, counter, routers, free, backlogged = raw
         self.routers = int(routers)
         value = float(_s(counter)) if _s(counter) else 0.0
+        room = int(float(_s(free)))
         if int(ok):
-            return Reply(_s(what), "granted", value, self.routers)
-        return Reply(None, _s(what), value, self.routers)
+            return Reply(_s(what), "granted", value, self.routers, room, int(backlogged))
+        return Reply(None, _s(what), value, self.routers, room, int(backlogged))
 
     async def view(self) -> SharedView:
         raw = await self._run(self._scripts["v"], [self.key_prefix, self._now(), ""], 2.0)

@@ -44,12 +44,23 @@ routers behave as one queue in front of the fleet:
                      shared again, its state (what it admitted meanwhile, charges included)
                      carried by that call
 
-Per request: one call admits it, one call (its release) frees its slot; the other routers' calls
-that a release wakes, and the 50 ms re-asks, are per free slot rather than per token. Capacity
-is fleet-wide (the routing policy places each admitted request) and every request is assumed to
-come through these routers (others' traffic is not subtracted, unlike the local queue). A
-router that dies holding the fairest tenant's oldest request stalls admissions until its
-heartbeat expires (`router_ttl_s`). The work units and charges are the local queue's.
+Fast path: while no tenant waits at any router, a request does not wait for Redis. A reply
+that shows no backlog anywhere gives this router room for floor(free slots / (2 x live routers))
+admissions, less those it made while the call was in flight; such a request is admitted at
+once (interactive class only: batch KV is always granted by Redis), charged locally, and Redis
+learns of it with the call it triggers, about a round trip later. Each router takes at most half
+its share of the free slots it last saw before asking again, so the routers together cannot
+take more than the fleet had free unless the number of routers more than doubles between two
+calls; any waiting tenant, anywhere, turns the fast path off at every router's next call, and
+the fair order above applies again. A fleet with fewer than 2 free slots per router never
+uses it.
+
+Per request: one call admits it (or follows its fast admission), one call (its release) frees its
+slot; the other routers' calls that a release wakes, and the 50 ms re-asks, are per free slot
+rather than per token. Capacity is fleet-wide (the routing policy places each admitted request) and
+every request is assumed to come through these routers (others' traffic is not subtracted, unlike
+the local queue). A router that dies holding the fairest tenant's oldest request stalls admissions
+until its heartbeat expires (`router_ttl_s`). The work units and charges are the local queue's.
 """
 
 from __future__ import annotations
@@ -65,13 +76,23 @@ from controlplane.tenancy import vtc
 from controlplane.types import FleetSnapshot
 from router.config import FairnessConfig, RouterSettings
 from router.fair_queue import TICK_S, FairQueue, Ticket
-from router.fair_redis import Head, RouterState, SharedFairStore
+from router.fair_redis import Head, Reply, RouterState, SharedFairStore
 
 log = logging.getLogger(__name__)
 
 # while requests wait, how often a router asks again unprompted (slots freed elsewhere wake it
 # at once through `P:wake`; this covers lost wake-ups and capacity changes)
 SHARED_TICK_S = 0.05
+
+
+def fast_room(reply: Reply, admitted_meanwhile: int) -> int:
+    """Admissions this router may make without asking, after `reply` (see "Fast path"): half
+    its share of the free slots when nobody waits anywhere, less what it admitted while the
+    call was in flight."""
+    if reply.backlogged > 0:
+        return 0
+    share = reply.free // (2 * max(1, reply.routers))
+    return max(0, share - max(0, admitted_meanwhile))
 
 
 class SharedFairQueue(FairQueue):
@@ -93,10 +114,21 @@ class SharedFairQueue(FairQueue):
         self._worker: asyncio.Task[None] | None = None
         self._listener: asyncio.Task[None] | None = None
         self._closing = False
+        # requests this router may still admit without asking (see "fast path" above)
+        self._room = 0
 
     # -- hooks of the local queue ------------------------------------------------------------------
     def _local(self) -> bool:
         return not self.shared
+
+    def _admit_now(self, t: Ticket, snap: FleetSnapshot) -> bool:
+        if self._local():
+            return super()._admit_now(t, snap)
+        if t.batch or self._room < 1:
+            return False
+        self._room -= 1
+        self._kick()  # Redis learns of it (in-flight count, prefill charge) with the next call
+        return True
 
     def _charged(self, tenant_id: str, delta: float) -> None:
         self.store.charge(tenant_id, delta)
@@ -193,6 +225,7 @@ class SharedFairQueue(FairQueue):
             snap = self.snapshot()
             state, heads = self._state(snap)
             reply = await self.store.call(state, grant=bool(heads))
+            self._room = 0
             if reply is None:
                 self.on_outcome("unreachable")
                 if self.shared and self.store.degraded_reason is not None:
@@ -205,6 +238,7 @@ class SharedFairQueue(FairQueue):
                 self.shared = True
                 log.warning("fair queue: Redis answers again, fairness shared across routers")
             self.on_outcome(reply.reason)
+            self._room = fast_room(reply, self.admitted - state.inflight)
             if reply.granted is None:
                 return
             self._grant(reply.granted, heads.get(reply.granted))
@@ -269,4 +303,4 @@ def fair_queue_for(
     return SharedFairQueue(cfg, snapshot, store, on_change=on_change, on_outcome=on_outcome)
 
 
-__all__ = ["SharedFairQueue", "fair_queue_for"]
+__all__ = ["SharedFairQueue", "fair_queue_for", "fast_room"]

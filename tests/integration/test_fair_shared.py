@@ -23,8 +23,8 @@ from controlplane.tenancy.model import Tenant
 from controlplane.types import FleetSnapshot, PriorityClass, ReplicaState, RoutingRequest
 from router.config import FairnessConfig, load_settings
 from router.fair_queue import FairQueue, Ticket
-from router.fair_redis import Head, RouterState, SharedFairStore, SharedView
-from router.fair_shared import SharedFairQueue, fair_queue_for
+from router.fair_redis import Head, Reply, RouterState, SharedFairStore, SharedView
+from router.fair_shared import SharedFairQueue, fair_queue_for, fast_room
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -159,6 +159,77 @@ async def test_one_tenant_is_one_fifo_across_routers(make_queue: Factory) -> Non
     order = [q for _, q in await drain(early | late, [(holder, r2)])]
     # router 1's requests came first, so they go first, though router 2 frees the slot
     assert order == [r1, r1, r1, r2, r2, r2]
+
+
+@pytest.mark.parametrize(
+    ("free", "routers", "backlogged", "meanwhile", "room"),
+    [
+        (8, 1, 0, 0, 4),  # half of the free slots
+        (8, 2, 0, 0, 2),  # half of this router's share
+        (8, 2, 0, 1, 1),  # less what it admitted while the call was in flight
+        (8, 2, 0, 5, 0),
+        (8, 2, 0, -3, 2),  # releases meanwhile add nothing
+        (3, 2, 0, 0, 0),  # fewer than 2 free slots per router: always ask
+        (1, 1, 0, 0, 0),
+        (-2, 1, 0, 0, 0),  # over-committed
+        (64, 1, 1, 0, 0),  # somebody waits somewhere: the fair order decides
+    ],
+)
+def test_the_fast_path_room(
+    free: int, routers: int, backlogged: int, meanwhile: int, room: int
+) -> None:
+    reply = Reply(None, "synced", 0.0, routers, free, backlogged)
+    assert fast_room(reply, meanwhile) == room
+
+
+async def test_while_nobody_waits_requests_go_without_waiting_for_redis(
+    make_queue: Factory,
+) -> None:
+    q = make_queue(slots=8)  # one router, 8 free slots: room for 4 before it asks again
+    await q.start()
+    await until(lambda: q._room == 4)
+    gate = asyncio.Event()  # Redis answers nothing until the gate opens
+    real = q.store.call
+
+    async def slow(state: RouterState, *, grant: bool, ttl_ms: int | None = None) -> Any:
+        await gate.wait()
+        return await real(state, grant=grant, ttl_ms=ttl_ms)
+
+    q.store.call = slow  # type: ignore[method-assign]
+    tickets = [await asyncio.wait_for(q.acquire(A, req()), 5) for _ in range(4)]
+    fifth = asyncio.create_task(q.acquire(A, req()))  # no room left: it asks, and waits
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not fifth.done() and q.queued == 1 and q.admitted == 4
+    gate.set()
+    tickets.append(await asyncio.wait_for(fifth, 5))
+    # Redis learnt of every admission and charged each prefill once
+    view = await until_view(q.store, lambda v: sum(v.inflight.values()) == 5)
+    assert view.counters["A"] == pytest.approx(5 * 100)
+    for t in tickets:
+        q.release(t)
+    await until_view(q.store, lambda v: sum(v.inflight.values()) == 0)
+
+
+async def test_a_tenant_waiting_anywhere_turns_the_fast_path_off(make_queue: Factory) -> None:
+    r1, r2 = make_queue(slots=1, replicas=8), make_queue(slots=1, replicas=8)
+    await asyncio.gather(r1.start(), r2.start())
+    await until_view(r1.store, lambda v: len(v.routers) == 2)
+    # BULK holds the batch KV share, so another batch request waits at router 2 with slots free
+    held = await asyncio.wait_for(r2.acquire(BULK, req(100, 10**7)), 5)
+    bulk = asyncio.create_task(r2.acquire(BULK, req(100, 10**7)))
+    await until_view(r1.store, lambda v: v.backlog == {"bulk": 1})
+    outcomes: list[str] = []
+    r1.on_outcome = outcomes.append
+    r1.dispatch()  # router 1 syncs and learns that somebody waits
+    await until(lambda: bool(outcomes))
+    assert r1._room == 0
+    # its next request is still admitted (slots are free, it is interactive), but by Redis
+    chat = await asyncio.wait_for(r1.acquire(A, req()), 5)
+    assert outcomes.count("granted") == 1
+    r1.release(chat)
+    r2.release(held)
+    r2.release(await asyncio.wait_for(bulk, 5))
 
 
 def ghost_head(tenant: str, *, batch: bool = False, age_ms: int = 0) -> RouterState:
