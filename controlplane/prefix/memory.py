@@ -130,25 +130,36 @@ class InMemoryPrefixIndex:
             if not self._holds(rid, first) and not (by_first_spec and first in by_first_spec):
                 continue  # neither kind holds the first block: no match
             confirmed = self._walk(rid, hashes, 0)
-            spec = 0
-            by_first = self._speculative.get(rid)
-            if by_first is not None:
-                entries = by_first.get(first)
-                if entries:
-                    live = [(exp, chain) for exp, chain in entries if exp > now]
-                    if len(live) != len(entries):
-                        if live:
-                            by_first[first] = live
-                        else:
-                            del by_first[first]
-                    for _exp, chain in live:
-                        spec = max(spec, _common_prefix(hashes, chain))
+            spec = self._speculative_match(by_first_spec, hashes, now)
             matched = confirmed
             if spec > confirmed:
                 matched = spec + self._walk(rid, hashes, spec)
             if matched:
                 out[rid] = PrefixMatch(rid, matched, confirmed)
         return out
+
+    @staticmethod
+    def _speculative_match(
+        by_first: dict[int, list[tuple[float, Sequence[int]]]] | None,
+        hashes: Sequence[int],
+        now: float,
+    ) -> int:
+        """Longest common prefix of `hashes` with a live speculative chain of one replica
+        (`by_first`: its chains by first hash); drops the expired chains it meets."""
+        entries = by_first.get(hashes[0]) if by_first is not None else None
+        if not entries:
+            return 0
+        assert by_first is not None
+        live = [(exp, chain) for exp, chain in entries if exp > now]
+        if len(live) != len(entries):
+            if live:
+                by_first[hashes[0]] = live
+            else:
+                del by_first[hashes[0]]
+        spec = 0
+        for _exp, chain in live:
+            spec = max(spec, _common_prefix(hashes, chain))
+        return spec
 
     def holdings(self, replica_id: str, hashes: Sequence[int]) -> tuple[list[bool], int]:
         """Block by block: is each block of `hashes` confirmed on the replica; and how many

@@ -25,6 +25,7 @@ array operations (per-block cost of a few nanoseconds); single-block calls, the 
 during decode, take a scalar path. The free queue is a ring of block ids with lazy deletion:
 `_qpos[b]` is the position of block b's live entry (-1 when b is not free); taking a block out of
 the middle only clears `_qpos[b]`, and the head skips entries whose position no longer matches.
+Popping takes a plain slice of the ring when no such stale entry lies ahead of the head.
 """
 
 from __future__ import annotations
@@ -58,11 +59,13 @@ class BlockPool:
         "_fresh_next",
         "_hash",
         "_head",
+        "_id_top",
         "_nfree",
         "_qpos",
         "_ref",
         "_ring",
         "_stack",
+        "_stale",
         "_tail",
         "block_size",
         "enable_caching",
@@ -100,12 +103,19 @@ class BlockPool:
         self._head = 0
         self._tail = 0
         self._nfree = 0  # live entries between _head and _tail
+        # (lowest, highest) ring position of each batch of entries `touch` made stale
+        self._stale: list[tuple[int, int]] = []
         # uncached freed blocks, reused first: the top (end of the list) is the queue's head
         self._stack: list[int] = []
         # hash id -> earliest block holding it (0: not cached; block 0 is the null block, never
         # cached, so zero-filled memory, which numpy gets lazily from the OS, means "empty");
-        # later duplicates by insertion order
-        self._cached = np.zeros(1 << 16, dtype=np.int32)  # block ids fit in 31 bits
+        # later duplicates by insertion order. The last entry is never written, so a lookup can
+        # clip out-of-range ids onto it and read a miss. Block ids fit in 16 bits (most pools) or
+        # 31: the narrower the entries, the fewer pages a replay touches
+        dtype = np.uint16 if num_blocks <= 1 << 16 else np.int32
+        self._cached: npt.NDArray[np.integer] = np.zeros(1 << 16, dtype=dtype)
+        # 1 + the largest hash id ever cached: growing `_cached` copies only below it
+        self._id_top = 0
         self._dups: dict[int, list[int]] = {}
 
     # -- queries ---------------------------------------------------------------------------------
@@ -157,13 +167,10 @@ class BlockPool:
         first = int(hashes[0])
         if first >= len(cached) or not cached[first]:
             return _EMPTY
-        ids = as_ids(hashes)[:n]
-        inside = ids < len(cached)
-        if not inside.all():
-            ids = ids[: int(np.argmin(inside))]
-        found = cached[ids].astype(np.int64)
-        miss = np.flatnonzero(found == 0)
-        return found[: miss[0]] if len(miss) else found
+        # ids past the end read the last entry, which is never written (0: a miss)
+        found = cached.take(as_ids(hashes)[:n], mode="clip")
+        k = int(found.argmin())  # the first miss, if any (block ids are positive)
+        return (found if found[k] else found[:k]).astype(np.int64)
 
     def evictable_among(self, blocks: IdsLike) -> int:
         """How many of `blocks` are free now (reusing them takes them out of the free queue)."""
@@ -182,6 +189,8 @@ class BlockPool:
         refs = self._ref[blocks]
         taken = blocks[refs == 0]
         if len(taken):
+            pos = self._qpos[taken]
+            self._stale.append((int(pos.min()), int(pos.max())))
             self._qpos[taken] = -1
             self._nfree -= len(taken)
         self._ref[blocks] = refs + 1
@@ -213,11 +222,14 @@ class BlockPool:
         if rest:
             popped = self._popleft(rest)
             old = self._hash[popped]
-            gone = old >= 0
-            if gone.any():
-                evicted = old[gone]
-                self._evict(popped[gone], evicted)
+            if old.min() >= 0:  # all cached (the usual case)
+                self._evict(popped, old)
                 self._hash[popped] = -1
+            else:
+                gone = old >= 0
+                if gone.any():
+                    self._evict(popped[gone], old[gone])
+                    self._hash[popped] = -1
             self._ref[popped] = 1
             parts.append(popped)
         if not parts:
@@ -240,15 +252,19 @@ class BlockPool:
         ids = as_ids(hashes)
         if len(ids) != len(blocks):
             raise ValueError("cache: one hash per block")
-        if int(ids.min()) < 0:
+        # ids usually increase along a chain: then they are distinct, and the ends are the bounds
+        increasing = bool((ids[1:] > ids[:-1]).all())
+        low, top = (int(ids[0]), int(ids[-1])) if increasing else (int(ids.min()), int(ids.max()))
+        if low < 0:
             raise ValueError("hash ids are non-negative")
-        top = int(ids.max())
-        if top >= len(self._cached):
-            self._grow_ids(top + 1)
+        if top >= self._id_top:
+            if top >= len(self._cached) - 1:
+                self._grow_ids(top + 1)
+            self._id_top = top + 1
         cached = self._cached
         self._hash[blocks] = ids
         current = cached[ids]
-        distinct = bool((ids[1:] > ids[:-1]).all()) or len(np.unique(ids)) == len(ids)
+        distinct = increasing or len(np.unique(ids)) == len(ids)
         if distinct and not current.any():
             cached[ids] = blocks
         else:
@@ -268,14 +284,20 @@ class BlockPool:
         blocks_tail_first = as_ids(blocks_tail_first)
         refs = self._ref[blocks_tail_first] - 1
         self._ref[blocks_tail_first] = refs
-        freed = blocks_tail_first[refs == 0]
+        # usually nobody else holds any of them
+        freed = blocks_tail_first[refs == 0] if refs.any() else blocks_tail_first
         if not len(freed):
             return
         if self.enable_caching:
             uncached = self._hash[freed] < 0
-            if uncached.any():
-                self._push_head(freed[uncached])
-                freed = freed[~uncached]
+            nu = int(np.count_nonzero(uncached))
+            if nu:
+                if uncached[:nu].all():  # the usual case: a request's partial last blocks
+                    self._push_head(freed[:nu])
+                    freed = freed[nu:]
+                else:
+                    self._push_head(freed[uncached])
+                    freed = freed[~uncached]
         else:
             self._push_head(freed)
             return
@@ -294,7 +316,7 @@ class BlockPool:
         if self.num_free != self.num_blocks - 1:
             return False
         self._hash[:] = -1
-        self._cached[:] = 0
+        self._cached[: self._id_top] = 0
         self._dups.clear()
         if self.events_enabled:
             self.events.append(AllBlocksCleared())
@@ -364,8 +386,10 @@ class BlockPool:
         if min(hashes) < 0:
             raise ValueError("hash ids are non-negative")
         top = max(hashes)
-        if top >= len(self._cached):
-            self._grow_ids(top + 1)
+        if top >= self._id_top:
+            if top >= len(self._cached) - 1:
+                self._grow_ids(top + 1)
+            self._id_top = top + 1
         cached, block_hash = self._cached, self._hash
         for b, h in zip(blocks, hashes, strict=True):
             block_hash[b] = h
@@ -380,6 +404,14 @@ class BlockPool:
         """The `n` live blocks at the head of the recycled free queue, taken out of it."""
         ring, qpos = self._ring, self._qpos
         head = self._head
+        stale = [r for r in self._stale if r[1] >= head]  # ranges the head has not passed
+        self._stale = stale
+        if all(lo >= head + n for lo, _ in stale):  # no stale entries: the next n are live
+            out = ring[head : head + n].copy()
+            qpos[out] = -1
+            self._head = head + n
+            self._nfree -= n
+            return out
         parts: list[Blocks] = []
         need = n
         while need:
@@ -450,13 +482,16 @@ class BlockPool:
         self._qpos = np.concatenate((self._qpos, np.full(new - cur, -1, dtype=np.int64)))
 
     def _grow_ids(self, size: int) -> None:
+        """Room for hash ids below `size`, plus the never-written last entry."""
         if size > MAX_ID:
             raise ValueError(f"hash id {size - 1} is not dense (limit {MAX_ID}); see sim.ids")
         cur = len(self._cached)
-        if size > cur:
-            extra = max(size, cur + cur // 2) - cur
-            grown = np.zeros(cur + extra, dtype=np.int32)  # zero pages stay lazy until touched
-            grown[:cur] = self._cached
+        if size + 1 > cur:
+            extra = max(size + 1, cur + cur // 2) - cur
+            # zero pages stay lazy until touched
+            grown = np.zeros(cur + extra, dtype=self._cached.dtype)
+            top = self._id_top  # nothing above it was ever written
+            grown[:top] = self._cached[:top]
             self._cached = grown
 
     def _reserve_ring(self, k: int) -> None:
@@ -465,8 +500,9 @@ class BlockPool:
         head, tail = self._head, self._tail
         live = self._ring[head:tail]
         live = live[self._qpos[live] == np.arange(head, tail)]
-        size = max(len(self._ring), 2 * (len(live) + k))
-        ring = np.zeros(size, dtype=np.int64)
+        size = max(len(self._ring), 4 * (len(live) + k))
+        ring = np.empty(size, dtype=np.int64)  # only [head, tail) is ever read
         ring[: len(live)] = live
         self._qpos[live] = np.arange(len(live))
         self._ring, self._head, self._tail = ring, 0, len(live)
+        self._stale = []

@@ -394,49 +394,51 @@ class SimEngine:
         """Allocate and cache the blocks of skipped decode steps first..last, in vLLM's order.
 
         Step s (1-based) computes position c + s - 1: it allocates a block when that position
-        starts one, and caches a block when position c + s completes one."""
+        starts one, and caches a block when position c + s completes one. Member i allocates at
+        steps a_i, a_i + B, ... with first <= a_i < first + B, so the allocations go round by
+        round (round r: steps first + rB .. first + rB + B - 1), each round in (a_i, i) order;
+        members with a smaller a_i may take one more round than the others."""
         bs = self.block_size
-        allocs: list[tuple[int, int]] = []  # (step, member index)
+        if self.exact_events:
+            self._replay_exact(members, first, last)
+            return
+        starts: list[tuple[int, int]] = []  # (a_i, member index) of members that allocate
         for idx, (_req, c) in enumerate(members):
             a0 = (-c) % bs + 1  # smallest s >= 1 with (c + s - 1) % bs == 0
             if first > a0:
                 a0 += -(-(first - a0) // bs) * bs
-            allocs.extend((s, idx) for s in range(a0, last + 1, bs))
-        if self.exact_events:
-            self._replay_exact(members, allocs, first, last)
-            return
+            if a0 <= last:
+                starts.append((a0, idx))
         pool = self.pool
-        if len(members) == 1 and allocs:
-            # one sequence: its allocations are simply in step order
-            req = members[0][0]
-            req.blocks = np.concatenate((req.blocks, pool.allocate(len(allocs))))
-        elif allocs:
-            allocs.sort()
-            popped = pool.allocate(len(allocs))
-            owner = np.fromiter((idx for _, idx in allocs), dtype=np.int64, count=len(allocs))
-            order = np.argsort(owner, kind="stable")
-            counts = np.bincount(owner, minlength=len(members))
-            offset = 0
-            for idx, (req, _c) in enumerate(members):
-                k = int(counts[idx])
-                if k:
-                    got = popped[order[offset : offset + k]]
-                    req.blocks = np.concatenate((req.blocks, got))
-                    offset += k
+        if starts:
+            starts.sort()
+            m = len(starts)
+            rounds = (last - starts[-1][0]) // bs + 1  # rounds every member takes part in
+            extra = sum(1 for a0, _ in starts if (last - a0) // bs >= rounds)
+            full = rounds * m
+            popped = pool.allocate(full + extra)
+            for p, (_a0, idx) in enumerate(starts):
+                req = members[idx][0]
+                got = popped[p:full:m]
+                if p < extra:
+                    got = np.concatenate((got, popped[full + p : full + p + 1]))
+                req.blocks = np.concatenate((req.blocks, got))
         if pool.enable_caching:
+            cache_full = self.sched.cache_full
             for req, c in members:
-                self._cache_full(req, (c + last) // bs)
+                cache_full(req, (c + last) // bs)
 
     def _replay_exact(
-        self,
-        members: list[tuple[EngineRequest, int]],
-        allocs: list[tuple[int, int]],
-        first: int,
-        last: int,
+        self, members: list[tuple[EngineRequest, int]], first: int, last: int
     ) -> None:
+        """Replay op by op: every allocation and caching of steps first..last in step order."""
         bs = self.block_size
-        ops = [(s, idx, 0) for s, idx in allocs]
+        ops: list[tuple[int, int, int]] = []  # (step, member index, 0: allocate / 1: cache)
         for idx, (_req, c) in enumerate(members):
+            a0 = (-c) % bs + 1
+            if first > a0:
+                a0 += -(-(first - a0) // bs) * bs
+            ops.extend((s, idx, 0) for s in range(a0, last + 1, bs))
             f0 = (bs - 1 - c) % bs + 1  # smallest s >= 1 with (c + s) % bs == 0
             if first > f0:
                 f0 += -(-(first - f0) // bs) * bs
@@ -448,15 +450,4 @@ class SimEngine:
             if kind == 0:
                 req.blocks = np.concatenate((req.blocks, pool.allocate(1)))
             elif pool.enable_caching:
-                self._cache_full(req, (c + s) // bs)
-
-    def _cache_full(self, req: EngineRequest, full: int) -> None:
-        start = req.num_cached_blocks
-        if full > start:
-            parent = req.block_hash(start - 1) if start else None
-            if full - start <= 8:
-                hashes = [req.block_hash(i) for i in range(start, full)]
-                self.pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
-            else:
-                self.pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
-            req.num_cached_blocks = full
+                self.sched.cache_full(req, (c + s) // bs)

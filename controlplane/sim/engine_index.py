@@ -19,8 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
+
 from controlplane.prefix.memory import InMemoryPrefixIndex
-from controlplane.sim.block_pool import BlockPool
+from controlplane.sim.block_pool import BlockPool, IdsLike
+from controlplane.types import PrefixMatch
 
 
 class EngineBackedIndex(InMemoryPrefixIndex):
@@ -36,19 +39,46 @@ class EngineBackedIndex(InMemoryPrefixIndex):
         self._pools = pools
         self._before_walk = before_walk
 
-    def _holds(self, replica_id: str, h: int) -> bool:
-        pool = self._pools.get(replica_id)
-        if pool is None:
-            return False
-        self._before_walk(replica_id, h)  # a decode run may have filled this block by now
-        return pool.cached_block(h) is not None
+    def lookup(
+        self, hashes: Sequence[int], candidates: Sequence[str], ids: IdsLike | None = None
+    ) -> dict[str, PrefixMatch]:
+        """The in-memory index's lookup, walking the pools; `ids`: `hashes` as an array (the
+        caller's, when it has one, saves converting them)."""
+        out: dict[str, PrefixMatch] = {}
+        if not hashes:
+            return out
+        now = self._clock()
+        first = hashes[0]
+        speculative = self._speculative
+        for rid in candidates:
+            pool = self._pools.get(rid)
+            held = False
+            if pool is not None:
+                self._before_walk(rid, first)  # a decode run may have filled this block by now
+                held = pool.cached_block(first) is not None
+            by_first = speculative.get(rid)
+            if not held and not (by_first and first in by_first):
+                continue  # neither kind holds the first block: no match
+            if ids is None:
+                ids = np.asarray(hashes, dtype=np.int64)
+            confirmed = 0
+            if held and pool is not None:
+                confirmed = len(pool.longest_cached_prefix(ids, len(ids)))
+            spec = self._speculative_match(by_first, hashes, now)
+            matched = confirmed
+            if spec > confirmed:
+                matched = spec + self._walk_ids(rid, ids, spec)
+            if matched:
+                out[rid] = PrefixMatch(rid, matched, confirmed)
+        return out
 
-    def _walk(self, replica_id: str, hashes: Sequence[int], start: int) -> int:
+    def _walk_ids(self, replica_id: str, ids: IdsLike, start: int) -> int:
+        """Leading blocks of `ids[start:]` the replica's pool holds."""
         pool = self._pools.get(replica_id)
-        if pool is None or not hashes:
+        if pool is None or not len(ids):
             return 0
-        self._before_walk(replica_id, hashes[start] if start < len(hashes) else hashes[-1])
-        tail = hashes if start == 0 else hashes[start:]
+        self._before_walk(replica_id, int(ids[start] if start < len(ids) else ids[-1]))
+        tail = ids[start:]
         return len(pool.longest_cached_prefix(tail, len(tail)))
 
     def record_stored(self, replica_id: str, hashes: Sequence[int]) -> None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -53,6 +53,7 @@ from controlplane.types import (
     FleetSnapshot,
     Ledger,
     Phase,
+    PrefixMatch,
     PriorityClass,
     ReplicaState,
     RoutingRequest,
@@ -143,9 +144,14 @@ class FleetSim:
         self._direct = config.kv_event_delay_s <= 0 and config.eviction_notice_delay_s <= 0
         self._pools: dict[str, BlockPool] = {}
         self._id_floor = 0
-        self.index: InMemoryPrefixIndex = (
+        self._engine_index = (
             EngineBackedIndex(lambda: self.now, self._pools, self._sync_for_lookup)
             if self._direct
+            else None
+        )
+        self.index: InMemoryPrefixIndex = (
+            self._engine_index
+            if self._engine_index is not None
             else InMemoryPrefixIndex(clock=lambda: self.now)
         )
         self.routers = [
@@ -313,12 +319,17 @@ class FleetSim:
         use_ledger = self.config.reservations
         states = []
         views = router.views
+        version_of = router.ledger.version
         for rep in self.replicas:
             if rep.phase is Phase.DEAD:
                 continue
             eng = rep.engine
-            version = router.ledger.version(rep.rid) if use_ledger else 0
-            key = (version, rep.metrics, rep.phase, rep.incarnation)
+            key = (
+                version_of(rep.rid) if use_ledger else 0,
+                rep.metrics,
+                rep.phase,
+                rep.incarnation,
+            )
             cached = views.get(rep.rid)
             if cached is not None and cached[0] == key and not live:
                 states.append(cached[1])
@@ -398,7 +409,12 @@ class FleetSim:
         if room is not None:
             snapshot = FleetSnapshot(tuple(r for r in snapshot.replicas if room(r)), now)
         candidates = [r.replica_id for r in snapshot.replicas if r.routable]
-        matches = self.index.lookup(rreq.block_hashes, candidates) if candidates else {}
+        if not candidates:
+            matches: Mapping[str, PrefixMatch] = {}
+        elif self._engine_index is not None:
+            matches = self._engine_index.lookup(rreq.block_hashes, candidates, ids)
+        else:
+            matches = self.index.lookup(rreq.block_hashes, candidates)
         decision = router.policy.choose(rreq, snapshot, matches)
         record.reason = decision.reason.value
         record.expected_hit_blocks = decision.expected_hit_blocks
@@ -503,7 +519,8 @@ class FleetSim:
         rep.version += 1
         end = eng.busy_until if not eng.idle else self._start(rep, now)
         rep.blocked = eng.num_waiting
-        self._publish(rep, now)
+        if not self._direct:  # engines publish events only when the index is event-fed
+            self._publish(rep, now)
         if end is not None:
             self._push(end, STEP, rep.rid, rep.version)
 
@@ -524,12 +541,13 @@ class FleetSim:
         eng.complete(now)
         first, finished = eng.drain()
         cfg = self.config
+        observer, queue, routing = self.observer, self.queue, self._routing
         for req in first:
-            if self.observer is not None:
-                self.observer.first_token(req.request_id, now)
-            if self.queue is not None:
-                self.queue.first_token(req.uid)
-            rreq, router, _rep, _ = self._routing[req.uid]
+            if observer is not None:
+                observer.first_token(req.request_id, now)
+            if queue is not None:
+                queue.first_token(req.uid)
+            rreq, router, _rep, _ = routing[req.uid]
             router.ledger.first_token(rreq.request_id)
             router.policy.on_first_token(rreq, rep.rid)
             if cfg.speculative and rreq.block_hashes:
@@ -542,9 +560,10 @@ class FleetSim:
             if rep.blocked and not eng.num_waiting and self.queue.queued:
                 self._dispatch_due = True
             rep.blocked = eng.num_waiting
-        self._publish(rep, now)
+        if not self._direct:
+            self._publish(rep, now)
         if end is not None:
-            self._push(end, STEP, rep.rid, rep.version)
+            heapq.heappush(self._heap, (end, next(self._seq), STEP, rep.rid, rep.version))
         elif rep.phase is Phase.DRAINING and not eng.num_waiting:
             self._retire(rep, now)
 
@@ -614,11 +633,15 @@ class FleetSim:
                 self._publish(rep, now)
 
     def _scrape(self, now: float) -> None:
+        ledgers = [router.ledger for router in self.routers]
         for rep in self.replicas:
             eng = rep.engine
-            rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.kv_usage(now), now)
-            for router in self.routers:
-                router.ledger.scraped(rep.rid, now)
+            sched = eng.sched
+            rep.metrics = EngineMetrics(
+                len(sched.running), len(sched.waiting), eng.kv_usage(now), now
+            )
+            for ledger in ledgers:
+                ledger.scraped(rep.rid, now)
 
     def _on_control(self, op: int, arg: object, now: float) -> None:
         if op == _JOIN:

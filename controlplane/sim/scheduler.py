@@ -153,31 +153,39 @@ class Scheduler:
         self, req: EngineRequest, num_new: int, hit_blocks: Blocks | None = None
     ) -> bool:
         pool, bs = self.pool, self.block_size
-        if hit_blocks is None:
-            hit_blocks = NO_BLOCKS
-        num_hit = len(hit_blocks)
+        num_hit = 0 if hit_blocks is None else len(hit_blocks)
         computed = req.num_computed + num_hit * bs
         need_tokens = min(computed + num_new, self.max_model_len)
-        required = -(-need_tokens // bs)
-        new_blocks = required - num_hit - len(req.blocks)
-        evictable = pool.evictable_among(hit_blocks) if num_hit else 0
-        if new_blocks + evictable > pool.num_free:
-            return False
+        new_blocks = -(-need_tokens // bs) - num_hit - len(req.blocks)
         if num_hit:
+            assert hit_blocks is not None
+            if new_blocks + pool.evictable_among(hit_blocks) > pool.num_free:
+                return False
             pool.touch(hit_blocks)
             req.blocks = np.concatenate((req.blocks, hit_blocks))
             req.num_cached_blocks = len(req.blocks)
         if new_blocks > 0:
+            if new_blocks > pool.num_free:
+                return False
             fresh = pool.allocate(new_blocks)
             req.blocks = fresh if not len(req.blocks) else np.concatenate((req.blocks, fresh))
         if pool.enable_caching:
-            full = min(computed + num_new, req.num_tokens) // bs
-            start = req.num_cached_blocks
-            if full > start:
-                parent = req.block_hash(start - 1) if start else None
-                pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
-                req.num_cached_blocks = full
+            full = min(computed + num_new, req.prompt_tokens + req.num_output) // bs
+            if full > req.num_cached_blocks:
+                self.cache_full(req, full)
         return True
+
+    def cache_full(self, req: EngineRequest, full: int) -> None:
+        """Cache the request's blocks up to `full` (those filled since it last cached)."""
+        start = req.num_cached_blocks
+        if full > start:
+            parent = req.block_hash(start - 1) if start else None
+            if full - start <= 8:  # the decode path: plain lists
+                hashes = [req.block_hash(i) for i in range(start, full)]
+                self.pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
+            else:
+                self.pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
+            req.num_cached_blocks = full
 
     def free(self, req: EngineRequest) -> None:
         self.pool.free(req.blocks[::-1])
@@ -199,15 +207,30 @@ class Scheduler:
         running = self.running
         scheduled = batch.scheduled
         threshold = self.long_prefill_token_threshold
+        bs, max_len = self.block_size, self.max_model_len
+        caching = self.pool.enable_caching
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
-            num_new = req.num_tokens - req.num_computed
+            c = req.num_computed
+            num_tokens = req.prompt_tokens + req.num_output
+            num_new = num_tokens - c
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, budget)
-            num_new = min(num_new, self.max_model_len - 1 - req.num_computed)
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_len - 1 - c:
+                num_new = max_len - 1 - c
             if num_new <= 0:
+                i += 1
+                continue
+            end = c + num_new
+            if end <= len(req.blocks) * bs and not (
+                caching and min(end, num_tokens) // bs > req.num_cached_blocks
+            ):
+                # its blocks have room and fill none: nothing to allocate or cache (most decodes)
+                scheduled.append((req, num_new, c))
+                budget -= num_new
                 i += 1
                 continue
             while True:

@@ -32,8 +32,8 @@ def rank_by(
     best = min(scores.values())
     tied = [rid for rid, s in scores.items() if s <= best + tolerance]
     chosen = pick_tied(request, tied)
-    rest = sorted((rid for rid in scores if rid != chosen), key=lambda rid: (scores[rid], rid))
-    return chosen, (chosen, *rest), scores
+    rest = sorted((s, rid) for rid, s in scores.items() if rid != chosen)
+    return chosen, (chosen, *(rid for _, rid in rest)), scores
 
 
 def usable_hit_blocks(request: RoutingRequest, matched_blocks: int, block_size: int) -> int:

@@ -17,8 +17,9 @@ stale as the last scrape.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Mapping
+from itertools import takewhile
 from typing import ClassVar
 
 from controlplane.types import Decision, DecisionReason, FleetSnapshot, PrefixMatch, RoutingRequest
@@ -45,15 +46,12 @@ class LlmDWeighted(PolicyBase):
         if not ready:
             return Decision.none_healthy()
         hashes = request.block_hashes[:MAX_HASHED_BLOCKS]
-        matched = dict.fromkeys((r.replica_id for r in ready), 0)
-        alive = set(matched)
-        for h in hashes:
-            holders = {rid for rid in alive if h in self._lru.get(rid, ())}
-            if not holders:
-                break
-            for rid in holders:
-                matched[rid] += 1
-            alive = holders
+        # the walk stops at the first block no endpoint holds, so each endpoint's match is its
+        # own leading run of held blocks (the longest run is where the walk stops)
+        matched: dict[str, int] = {}
+        for r in ready:
+            held = self._lru.get(r.replica_id)
+            matched[r.replica_id] = len(list(takewhile(held.__contains__, hashes))) if held else 0
         queues = {r.replica_id: float(r.metrics.waiting) for r in ready}
         qmin, qmax = min(queues.values()), max(queues.values())
         wq, wk, wp = self.weights
@@ -79,9 +77,10 @@ class LlmDWeighted(PolicyBase):
         for r in snapshot.replicas:
             self._capacity[r.replica_id] = r.profile.num_gpu_blocks
         lru = self._lru.setdefault(rid, OrderedDict())
-        for h in request.block_hashes[:MAX_HASHED_BLOCKS]:
-            lru[h] = None
-            lru.move_to_end(h)
+        hashes = request.block_hashes[:MAX_HASHED_BLOCKS]
+        # add the new ones, then move every one to the end in order (the most recent last)
+        lru.update(dict.fromkeys(hashes))
+        deque(map(lru.move_to_end, hashes), maxlen=0)
         capacity = self._capacity.get(rid, 1 << 30)
         while len(lru) > capacity:
             lru.popitem(last=False)

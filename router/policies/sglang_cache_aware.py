@@ -64,8 +64,9 @@ class SglangCacheAware(PolicyBase):
             chosen = pick_tied(request, [rid for rid in ready if loads[rid] == low])
             return self._decision(chosen, DecisionReason.IMBALANCED, ready, loads)
         hashes = request.block_hashes
-        matched = {
-            rid: sum(1 for _ in takewhile(self._trees.get(rid, {}).__contains__, hashes))
+        trees = self._trees
+        matched = {  # leading blocks in the tree (the list is built at C speed)
+            rid: len(list(takewhile(trees[rid].__contains__, hashes))) if rid in trees else 0
             for rid in ready
         }
         best = max(matched.values())
