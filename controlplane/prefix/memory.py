@@ -119,6 +119,18 @@ class InMemoryPrefixIndex:
 
     # -- reads -----------------------------------------------------------------------------------
     def lookup(self, hashes: Sequence[int], candidates: Sequence[str]) -> dict[str, PrefixMatch]:
+        return self._lookup(hashes, candidates, self._holds, self._walk)
+
+    def _lookup(
+        self,
+        hashes: Sequence[int],
+        candidates: Sequence[str],
+        holds: Callable[[str, int], bool],
+        walk: Callable[[str, Sequence[int], int], int],
+    ) -> dict[str, PrefixMatch]:
+        """The lookup over confirmed blocks read through `holds(replica, first hash)` and
+        `walk(replica, hashes, start)` (leading blocks of `hashes[start:]` held), and this
+        index's speculative chains."""
         out: dict[str, PrefixMatch] = {}
         if not hashes:
             return out
@@ -127,13 +139,14 @@ class InMemoryPrefixIndex:
         speculative = self._speculative
         for rid in candidates:
             by_first_spec = speculative.get(rid)
-            if not self._holds(rid, first) and not (by_first_spec and first in by_first_spec):
+            held = holds(rid, first)
+            if not held and not (by_first_spec and first in by_first_spec):
                 continue  # neither kind holds the first block: no match
-            confirmed = self._walk(rid, hashes, 0)
+            confirmed = walk(rid, hashes, 0) if held else 0
             spec = self._speculative_match(by_first_spec, hashes, now)
             matched = confirmed
             if spec > confirmed:
-                matched = spec + self._walk(rid, hashes, spec)
+                matched = spec + walk(rid, hashes, spec)
             if matched:
                 out[rid] = PrefixMatch(rid, matched, confirmed)
         return out

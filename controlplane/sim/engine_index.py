@@ -44,33 +44,24 @@ class EngineBackedIndex(InMemoryPrefixIndex):
     ) -> dict[str, PrefixMatch]:
         """The in-memory index's lookup, walking the pools; `ids`: `hashes` as an array (the
         caller's, when it has one, saves converting them)."""
-        out: dict[str, PrefixMatch] = {}
         if not hashes:
-            return out
-        now = self._clock()
-        first = hashes[0]
-        speculative = self._speculative
-        for rid in candidates:
-            pool = self._pools.get(rid)
-            held = False
-            if pool is not None:
-                self._before_walk(rid, first)  # a decode run may have filled this block by now
-                held = pool.cached_block(first) is not None
-            by_first = speculative.get(rid)
-            if not held and not (by_first and first in by_first):
-                continue  # neither kind holds the first block: no match
-            if ids is None:
-                ids = np.asarray(hashes, dtype=np.int64)
-            confirmed = 0
-            if held and pool is not None:
-                confirmed = len(pool.longest_cached_prefix(ids, len(ids)))
-            spec = self._speculative_match(by_first, hashes, now)
-            matched = confirmed
-            if spec > confirmed:
-                matched = spec + self._walk_ids(rid, ids, spec)
-            if matched:
-                out[rid] = PrefixMatch(rid, matched, confirmed)
-        return out
+            return {}
+        arr = np.asarray(hashes, dtype=np.int64) if ids is None else ids
+
+        def walk(rid: str, _hashes: Sequence[int], start: int) -> int:
+            if start:
+                return self._walk_ids(rid, arr, start)
+            pool = self._pools[rid]  # `holds` found the first block there, synced
+            return len(pool.longest_cached_prefix(arr, len(arr)))
+
+        return self._lookup(hashes, candidates, self._holds_first, walk)
+
+    def _holds_first(self, replica_id: str, first: int) -> bool:
+        pool = self._pools.get(replica_id)
+        if pool is None:
+            return False
+        self._before_walk(replica_id, first)  # a decode run may have filled this block by now
+        return pool.cached_block(first) is not None
 
     def _walk_ids(self, replica_id: str, ids: IdsLike, start: int) -> int:
         """Leading blocks of `ids[start:]` the replica's pool holds."""
