@@ -179,13 +179,8 @@ class InMemoryPrefixIndex:
         leading blocks a live speculative chain covers. What an index that searches instead of
         walking (the Redis one) is checked against."""
         held = self._confirmed.get(replica_id, set())
-        now = self._clock()
-        spec = 0
         by_first = self._speculative.get(replica_id)
-        if hashes and by_first:
-            for exp, chain in by_first.get(hashes[0], ()):
-                if exp > now:
-                    spec = max(spec, _common_prefix(hashes, chain))
+        spec = self._speculative_match(by_first, hashes, self._clock()) if hashes else 0
         return [h in held for h in hashes], spec
 
     def _holds(self, replica_id: str, h: int) -> bool:

@@ -258,9 +258,7 @@ class BlockPool:
         if low < 0:
             raise ValueError("hash ids are non-negative")
         if top >= self._id_top:
-            if top >= len(self._cached) - 1:
-                self._grow_ids(top + 1)
-            self._id_top = top + 1
+            self._raise_id_top(top)
         cached = self._cached
         self._hash[blocks] = ids
         current = cached[ids]
@@ -387,9 +385,7 @@ class BlockPool:
             raise ValueError("hash ids are non-negative")
         top = max(hashes)
         if top >= self._id_top:
-            if top >= len(self._cached) - 1:
-                self._grow_ids(top + 1)
-            self._id_top = top + 1
+            self._raise_id_top(top)
         cached, block_hash = self._cached, self._hash
         for b, h in zip(blocks, hashes, strict=True):
             block_hash[b] = h
@@ -480,6 +476,12 @@ class BlockPool:
         self._ref = np.concatenate((self._ref, np.zeros(new - cur, dtype=np.int64)))
         self._hash = np.concatenate((self._hash, np.full(new - cur, -1, dtype=np.int64)))
         self._qpos = np.concatenate((self._qpos, np.full(new - cur, -1, dtype=np.int64)))
+
+    def _raise_id_top(self, top: int) -> None:
+        """Hash ids up to `top` may now be cached (`top` >= `_id_top`)."""
+        if top >= len(self._cached) - 1:
+            self._grow_ids(top + 1)
+        self._id_top = top + 1
 
     def _grow_ids(self, size: int) -> None:
         """Room for hash ids below `size`, plus the never-written last entry."""

@@ -78,6 +78,11 @@ class DecodeRun:
         return min(self.steps, steps)
 
 
+def _step_from(first: int, s0: int, bs: int) -> int:
+    """The first step >= `first` of the steps s0, s0 + bs, s0 + 2 bs, ..."""
+    return s0 if first <= s0 else s0 + -(-(first - s0) // bs) * bs
+
+
 class SimEngine:
     """One replica's engine. Not thread-safe; driven by a discrete-event loop or a real clock."""
 
@@ -404,9 +409,7 @@ class SimEngine:
             return
         starts: list[tuple[int, int]] = []  # (a_i, member index) of members that allocate
         for idx, (_req, c) in enumerate(members):
-            a0 = (-c) % bs + 1  # smallest s >= 1 with (c + s - 1) % bs == 0
-            if first > a0:
-                a0 += -(-(first - a0) // bs) * bs
+            a0 = _step_from(first, (-c) % bs + 1, bs)  # (c + s - 1) % bs == 0: allocates
             if a0 <= last:
                 starts.append((a0, idx))
         pool = self.pool
@@ -435,13 +438,9 @@ class SimEngine:
         bs = self.block_size
         ops: list[tuple[int, int, int]] = []  # (step, member index, 0: allocate / 1: cache)
         for idx, (_req, c) in enumerate(members):
-            a0 = (-c) % bs + 1
-            if first > a0:
-                a0 += -(-(first - a0) // bs) * bs
+            a0 = _step_from(first, (-c) % bs + 1, bs)  # (c + s - 1) % bs == 0: allocates
             ops.extend((s, idx, 0) for s in range(a0, last + 1, bs))
-            f0 = (bs - 1 - c) % bs + 1  # smallest s >= 1 with (c + s) % bs == 0
-            if first > f0:
-                f0 += -(-(first - f0) // bs) * bs
+            f0 = _step_from(first, (bs - 1 - c) % bs + 1, bs)  # (c + s) % bs == 0: caches
             ops.extend((s, idx, 1) for s in range(f0, last + 1, bs))
         ops.sort()
         pool = self.pool

@@ -563,7 +563,7 @@ class FleetSim:
         if not self._direct:
             self._publish(rep, now)
         if end is not None:
-            heapq.heappush(self._heap, (end, next(self._seq), STEP, rep.rid, rep.version))
+            self._push(end, STEP, rep.rid, rep.version)
         elif rep.phase is Phase.DRAINING and not eng.num_waiting:
             self._retire(rep, now)
 
@@ -636,10 +636,7 @@ class FleetSim:
         ledgers = [router.ledger for router in self.routers]
         for rep in self.replicas:
             eng = rep.engine
-            sched = eng.sched
-            rep.metrics = EngineMetrics(
-                len(sched.running), len(sched.waiting), eng.kv_usage(now), now
-            )
+            rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.kv_usage(now), now)
             for ledger in ledgers:
                 ledger.scraped(rep.rid, now)
 

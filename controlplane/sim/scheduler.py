@@ -170,7 +170,7 @@ class Scheduler:
             fresh = pool.allocate(new_blocks)
             req.blocks = fresh if not len(req.blocks) else np.concatenate((req.blocks, fresh))
         if pool.enable_caching:
-            full = min(computed + num_new, req.prompt_tokens + req.num_output) // bs
+            full = min(computed + num_new, req.num_tokens) // bs
             if full > req.num_cached_blocks:
                 self.cache_full(req, full)
         return True
