@@ -93,6 +93,10 @@ local function floor_()
   return m
 end
 local function live() return redis.call('ZCARD', ROUTERS) end
+-- the reply: outcome, live routers, the fleet's free slots, tenants backlogged anywhere
+local function answer(ok, what, counter, free)
+  return {ok, what, counter, live(), num(free), redis.call('HLEN', BL)}
+end
 -- slots were freed (a release, a router gone) while requests wait: wake the other routers
 local function notify(free)
   if wake and (free == nil or free >= 1) and redis.call('HLEN', BL) > 0 then
@@ -170,7 +174,7 @@ SYNC = (
     + r"""
 local free = cap - sum(INF)
 notify(free)
-return {0, 'synced', '', live(), num(free), redis.call('HLEN', BL)}
+return answer(0, 'synced', '', free)
 """
 )
 
@@ -181,7 +185,7 @@ ADMIT = (
 local free = cap - sum(INF)
 local function refuse(reason)
   notify(free)
-  return {0, reason, '', live(), num(free), redis.call('HLEN', BL)}
+  return answer(0, reason, '', free)
 end
 if not grant then return refuse('synced') end
 if nb == 0 then return refuse('idle') end
@@ -227,7 +231,7 @@ else
 end
 redis.call('HINCRBY', ST, 'granted', 1)
 notify(free - 1)
-return {1, c.t, flt(v), live(), num(free - 1), redis.call('HLEN', BL)}
+return answer(1, c.t, flt(v), free - 1)
 """
 )
 

@@ -201,10 +201,10 @@ class SharedFairStore:
         ok, what, counter, routers, free, backlogged = raw
         self.routers = int(routers)
         value = float(_s(counter)) if _s(counter) else 0.0
-        room = int(float(_s(free)))
+        tail = (int(float(_s(free))), int(backlogged))  # free slots, backlogged tenants
         if int(ok):
-            return Reply(_s(what), "granted", value, self.routers, room, int(backlogged))
-        return Reply(None, _s(what), value, self.routers, room, int(backlogged))
+            return Reply(_s(what), "granted", value, self.routers, *tail)
+        return Reply(None, _s(what), value, self.routers, *tail)
 
     async def view(self) -> SharedView:
         raw = await self._run(self._scripts["v"], [self.key_prefix, self._now(), ""], 2.0)
