@@ -295,17 +295,7 @@ def backtest_one(
             def replay(n: int) -> AutoscaleRun:
                 if on_policy_start is not None:
                     on_policy_start(f"static_peak ({n})", len(trace))
-                return run_autoscaled(
-                    trace,
-                    fleet,
-                    StaticPeakPolicy(StaticPeakConfig(n)),
-                    auto,
-                    initial_replicas=n,
-                    capacity=cap,
-                    block_ids=ids,
-                    id_floor=floor,
-                    progress=progress,
-                )
+                return static_replay(trace, fleet, n, auto, cap, (ids, floor), progress)
 
             run, tried = static_search(replay, fixed, config.static_target, auto.max_replicas)
             tb.runs[name] = run
@@ -332,6 +322,31 @@ def backtest_one(
             initial_state=warmed,
         )
     return tb
+
+
+def static_replay(
+    trace: Trace,
+    fleet: FleetConfig,
+    replicas: int,
+    auto: AutoscaleConfig,
+    cap: SloCapacity,
+    ids: tuple[Sequence[Any], int] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> AutoscaleRun:
+    """`trace` replayed on a fixed fleet of `replicas` ready replicas (`ids`: the trace's block
+    ids and id floor from `dense_block_ids`, computed here when None)."""
+    block_ids, floor = ids or dense_block_ids(trace, fleet.profile.resolved_block_size)
+    return run_autoscaled(
+        trace,
+        fleet,
+        StaticPeakPolicy(StaticPeakConfig(replicas)),
+        auto,
+        initial_replicas=replicas,
+        capacity=cap,
+        block_ids=block_ids,
+        id_floor=floor,
+        progress=progress,
+    )
 
 
 def static_search(
@@ -406,5 +421,6 @@ __all__ = [
     "build_policy",
     "demand_windows",
     "prewarm",
+    "static_replay",
     "static_search",
 ]

@@ -21,6 +21,8 @@ BENCHES = (
     # after quota_bench: both write out/bench/fairness.json, this one merges into it
     "fairness_bench.py",
     "autoscale_bench.py",
+    # after autoscale_bench: it reads out/bench/autoscale.json for the policies' points
+    "autoscale_oracle.py",
     "autoscale_hpa.py",
 )
 

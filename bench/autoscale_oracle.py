@@ -1,0 +1,177 @@
+"""The hindsight bound of the autoscaling backtest: the cheapest fleet schedule that knows the
+trace (autoscaler.oracle), against the policies' figures.
+
+For each backtest trace (the same fleet, SLO and load time as `controlplane autoscale backtest`)
+it replays every `--segment` seconds of the trace on fixed fleets until none of its requests is
+late, then solves for the GPU-hours / late-requests frontier. It prints, per trace, the cheapest
+hindsight schedule within several late budgets (none; each policy's own count when
+`--backtest out/bench/autoscale.json` exists) beside the policies' GPU-hours, and writes
+out/bench/autoscale_oracle.json and out/bench/autoscale_oracle.png (frontier and policies).
+
+Takes about 15 min on two cores (one process per trace; segment lengths in SEGMENT_S).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from common import console, out_dir, print_table, save_figure, write_json
+
+from autoscaler.backtest import DEFAULT_TRACES, BacktestConfig
+from autoscaler.backtest_traces import backtest_trace
+from autoscaler.capacity import SloCapacity
+from autoscaler.oracle import OracleResult, oracle
+from controlplane.sim.fleet import FleetConfig
+
+# one-minute segments where a segment's sweep is short; the Azure trace's bursts send each sweep
+# to ~46 replicas, so its segments are five minutes (about 8 min of replays either way)
+SEGMENT_S = {"synthetic-diurnal-tenants": 60.0, "azure-code-diurnal": 300.0}
+
+
+def run_trace(name: str, segment_s: float, warmup_s: float) -> OracleResult:
+    cfg = BacktestConfig()
+    auto, prof = cfg.autoscale, cfg.profile()
+    cap = SloCapacity.build(prof, auto.ttft_slo_s, auto.tpot_slo_s)
+    trace = backtest_trace(name)
+
+    def progress(done: int, total: int) -> None:
+        if done % 10 == 0 or done == total:
+            console.print(f"[dim]{name}: segment {done}/{total}[/dim]")
+
+    return oracle(
+        trace,
+        FleetConfig(profile=prof),
+        auto,
+        cap,
+        segment_s=segment_s,
+        warmup_s=warmup_s,
+        progress=progress,
+    )
+
+
+def policy_figures(path: Path) -> dict[str, dict[str, dict[str, float]]]:
+    """Per trace, per policy: (late requests, GPU-hours) from a backtest JSON, if present."""
+    if not path.exists():
+        return {}
+    doc = json.loads(path.read_text())
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for trace, tb in doc.get("traces", {}).items():
+        n = tb.get("requests", 0)
+        out[trace] = {
+            name: {
+                "late": round((1.0 - p["slo_attainment"]) * n),
+                "gpu_hours": p["gpu_hours"],
+                "slo_attainment": p["slo_attainment"],
+            }
+            for name, p in tb.get("policies", {}).items()
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--trace", action="append", help="backtest trace (repeatable)")
+    ap.add_argument(
+        "--segment", type=float, help="segment length, seconds (default: per trace, SEGMENT_S)"
+    )
+    ap.add_argument("--warmup", type=float, default=120.0, help="replayed before each segment")
+    ap.add_argument("--backtest", type=Path, default=out_dir() / "autoscale.json")
+    ap.add_argument(
+        "--from-json", type=Path, help="re-report an earlier run's JSON instead of replaying"
+    )
+    args = ap.parse_args()
+    traces = args.trace or list(DEFAULT_TRACES)
+    if args.from_json is not None:
+        old = json.loads(args.from_json.read_text())["traces"]
+        results = {
+            t: OracleResult.from_json(t, old[t], int(old[t].get("tp", BacktestConfig().tp)))
+            for t in traces
+            if t in old
+        }
+    else:
+        with ProcessPoolExecutor(max_workers=min(2, len(traces))) as pool:
+            futures = {
+                t: pool.submit(run_trace, t, args.segment or SEGMENT_S.get(t, 60.0), args.warmup)
+                for t in traces
+            }
+            results = {t: f.result() for t, f in futures.items()}
+    policies = policy_figures(args.backtest)
+    doc: dict[str, object] = {"traces": {}}
+    for name, res in results.items():
+        figs = policies.get(name, {})
+        budgets = {"none late": 0, **{f"{p}'s late": int(f["late"]) for p, f in figs.items()}}
+        rows = []
+        for label, budget in budgets.items():
+            best = res.cheapest(budget)
+            if best is None:
+                continue
+            pol = next((f for p, f in figs.items() if label.startswith(p)), None)
+            rows.append(
+                [
+                    label,
+                    budget,
+                    best.late,
+                    best.gpu_hours,
+                    max(best.schedule, default=0),
+                    pol["gpu_hours"] if pol else "",
+                ]
+            )
+        print_table(
+            f"{name}: hindsight schedule ({res.segment_s:.0f}-s segments, {res.requests:,} "
+            f"requests, load time {res.load_time_s:.0f} s)",
+            ["late budget", "budget", "hindsight late", "hindsight GPU-h", "peak", "policy GPU-h"],
+            rows,
+        )
+        entry = res.to_json()
+        entry["policies"] = figs
+        doc["traces"][name] = entry  # type: ignore[index]
+    write_json("autoscale_oracle.json", doc)
+    plot(results, policies, out_dir() / "autoscale_oracle.png")
+
+
+def plot(
+    results: dict[str, OracleResult],
+    policies: dict[str, dict[str, dict[str, float]]],
+    path: Path,
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
+    for ax, (name, res) in zip(axes[0], results.items(), strict=True):
+        n = max(1, res.requests)
+        pts = [(p.gpu_hours, 100.0 * (1 - p.late / n)) for p in res.points]
+        ax.step([g for g, _ in pts], [a for _, a in pts], where="post", label="hindsight bound")
+        xs = [g for g, a in pts if a >= 97.0]
+        for pol, f in policies.get(name, {}).items():
+            ax.scatter([f["gpu_hours"]], [100.0 * f["slo_attainment"]], label=pol, zorder=3)
+            xs.append(f["gpu_hours"])
+        static = policies.get(name, {}).get("static_peak")
+        if static is not None:
+            ax.axvline(0.8 * static["gpu_hours"], ls="--", c="grey", label="80% of static peak")
+        if xs:
+            ax.set_xlim(0.9 * min(xs), 1.1 * max(xs))
+        ax.set_xscale("log")
+        # three times the late share of the better of headroom and static peak, at least 0.1%
+        figs = policies.get(name, {})
+        best = max(
+            (100.0 * figs[p]["slo_attainment"] for p in ("headroom", "static_peak") if p in figs),
+            default=99.0,
+        )
+        low = 100.0 - 3.0 * max(100.0 - best, 1.0 / 30.0)
+        ax.set_ylim(low, 100.0 + (100.0 - low) / 50.0)
+        ax.set_xlabel("GPU-hours")
+        ax.set_ylabel("TTFT SLO attainment, %")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()
