@@ -24,7 +24,9 @@ Algorithm:
 What it leaves out, all in the bound's favour: a segment's backlog does not carry into the next
 (a schedule that under-serves a segment pays only that segment's late requests), replicas join
 and leave exactly at segment edges, and the fleet is the best of every fixed size per segment.
-It is a bound in spirit, not a proof: the simulator is not exactly monotone in the fleet size.
+It is a bound in spirit, not a proof: the simulator is not exactly monotone in the fleet size,
+and one simplification goes against the bound (a size below the segment's work rate counts every
+request late), which matters only for points far below any SLO target.
 """
 
 from __future__ import annotations
