@@ -144,6 +144,9 @@ async def test_interactive_anywhere_goes_before_batch_here(make_queue: Factory) 
     holder = await asyncio.wait_for(r1.acquire(A, req()), 5)
     bulk, chat = waiting(r1, BULK, 2, 10), waiting(r2, B, 2, 5000)
     await until(lambda: r1.queued == 2 and r2.queued == 2)
+    # the order is fleet-wide once Redis knows both backlogs (each router registers its own
+    # with its next call; a release before that would see only the batch tenant waiting)
+    await until_view(r1.store, lambda v: v.backlog.keys() == {"B", "bulk"})
     order = [tenant for tenant, _ in await drain(bulk | chat, [(holder, r1)])]
     assert order == ["B", "B", "bulk", "bulk"]
 
