@@ -31,6 +31,7 @@ request late), which matters only for points far below any SLO target.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -91,7 +92,7 @@ class OracleResult:
         return min(ok, key=lambda p: (p.gpu_hours, p.late)) if ok else None
 
     @classmethod
-    def from_json(cls, trace: str, doc: dict[str, Any], tp: int) -> OracleResult:
+    def from_json(cls, trace: str, doc: dict[str, Any]) -> OracleResult:
         """Rebuild a result from `to_json`'s document (the frontier is solved again)."""
         curves = [
             SegmentCurve(
@@ -103,7 +104,7 @@ class OracleResult:
             )
             for c in doc["segments"]
         ]
-        seg, load = float(doc["segment_s"]), float(doc["load_time_s"])
+        seg, load, tp = float(doc["segment_s"]), float(doc["load_time_s"]), int(doc["tp"])
         result = cls(trace, seg, load, tp, int(doc["requests"]), curves)
         result.points = frontier(curves, seg, load, tp)
         return result
@@ -212,12 +213,13 @@ def oracle(
     reqs = trace.requests
     if not reqs:
         return result
-    t0, slo = reqs[0].arrival_s, auto.ttft_slo_s
+    t0 = reqs[0].arrival_s
+    arrivals = [r.arrival_s for r in reqs]  # sorted: a trace is in arrival order
     count = max(1, math.ceil((reqs[-1].arrival_s - t0) / segment_s + 1e-9))
     for k in range(count):
         a, b = t0 + k * segment_s, t0 + (k + 1) * segment_s
-        sub = [r for r in reqs if a - warmup_s <= r.arrival_s < b]
-        inside = [r for r in sub if r.arrival_s >= a]
+        lo, mid, hi = (bisect.bisect_left(arrivals, x) for x in (a - warmup_s, a, b))
+        sub, inside = reqs[lo:hi], reqs[mid:hi]
         work = sum(capacity.request_work(r.prompt_tokens, max(1, r.output_tokens)) for r in inside)
         first = max(1, math.floor(work / segment_s))
         late: list[int] = []
@@ -227,14 +229,7 @@ def oracle(
             shift = sub[0].arrival_s  # the simulator's clock starts at the first arrival
             n = first
             while True:
-                recs = static_replay(part, fleet, n, auto, capacity, ids).result.records
-                late.append(
-                    sum(
-                        1
-                        for r in recs
-                        if r.arrival_s + shift >= a and not (r.completed and r.ttft_s <= slo)
-                    )
-                )
+                late.append(static_replay(part, fleet, n, auto, capacity, ids).late(a - shift))
                 if late[-1] == 0 or n >= auto.max_replicas:
                     break
                 n += 1

@@ -86,11 +86,7 @@ def main() -> None:
     traces = args.trace or list(DEFAULT_TRACES)
     if args.from_json is not None:
         old = json.loads(args.from_json.read_text())["traces"]
-        results = {
-            t: OracleResult.from_json(t, old[t], int(old[t].get("tp", BacktestConfig().tp)))
-            for t in traces
-            if t in old
-        }
+        results = {t: OracleResult.from_json(t, old[t]) for t in traces if t in old}
     else:
         with ProcessPoolExecutor(max_workers=min(2, len(traces))) as pool:
             futures = {
@@ -102,13 +98,14 @@ def main() -> None:
     doc: dict[str, object] = {"traces": {}}
     for name, res in results.items():
         figs = policies.get(name, {})
-        budgets = {"none late": 0, **{f"{p}'s late": int(f["late"]) for p, f in figs.items()}}
+        # (row label, late budget, the policy whose count it is)
+        budgets: list[tuple[str, int, dict[str, float] | None]] = [("none late", 0, None)]
+        budgets += [(f"{p}'s late", int(f["late"]), f) for p, f in figs.items()]
         rows = []
-        for label, budget in budgets.items():
+        for label, budget, pol in budgets:
             best = res.cheapest(budget)
             if best is None:
                 continue
-            pol = next((f for p, f in figs.items() if label.startswith(p)), None)
             rows.append(
                 [
                     label,

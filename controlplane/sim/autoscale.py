@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -110,10 +111,19 @@ class AutoscaleRun:
             total += max(0.0, left - s.joined_s)
         return total * self.tp / 3600.0
 
+    def late(self, since_s: float = -math.inf) -> int:
+        """Requests arrived at `since_s` or later (simulator clock) that missed the TTFT SLO
+        (or never completed)."""
+        slo = self.config.ttft_slo_s
+        return sum(
+            1
+            for r in self.result.records
+            if r.arrival_s >= since_s and not (r.completed and r.ttft_s <= slo)
+        )
+
     def slo_attainment(self) -> float:
         recs = self.result.records
-        ok = sum(1 for r in recs if r.completed and r.ttft_s <= self.config.ttft_slo_s)
-        return ok / len(recs) if recs else 0.0
+        return 1.0 - self.late() / len(recs) if recs else 0.0
 
     def tpot_attainment(self) -> float:
         recs = self.result.records

@@ -149,5 +149,5 @@ def test_segment_replays_on_a_tiny_trace() -> None:
     cheapest = res.cheapest(0)
     assert cheapest is not None
     assert cheapest.schedule == (first.zero_late, second.zero_late)
-    again = OracleResult.from_json(res.trace, res.to_json(), res.tp)
+    again = OracleResult.from_json(res.trace, res.to_json())
     assert again.curves == res.curves and again.points == res.points
