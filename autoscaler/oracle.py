@@ -21,6 +21,16 @@ Algorithm:
    for a sweep of `lam`; each optimum is a point (GPU-hours, late requests) of the lower convex
    frontier. `cheapest(late_budget)` is the cheapest frontier point within a budget.
 
+4. `rate_only` answers a narrower question: what zero late requests cost a planner that knows
+   the demand rate of every segment in advance (the work rate averaged over `window` segments
+   either side) but not which segment brings a coincidence of long requests. It must treat
+   segments of equal demand alike, so for none late it holds in segment `k` at least
+   `env_k = max(zero-late size of j : level_j <= level_k)`; the DP of step 3 then finds the
+   cheapest schedule at or above that envelope (it may hold through dips). The gap between it
+   and the hindsight point is the price of the luck no forecast of the rate can see. With a
+   `tolerance` of t the envelope is built from each segment's smallest size with at most t late
+   requests instead.
+
 What it leaves out, all in the bound's favour: a segment's backlog does not carry into the next
 (a schedule that under-serves a segment pays only that segment's late requests), replicas join
 and leave exactly at segment edges, and the fleet is the best of every fixed size per segment.
@@ -35,7 +45,7 @@ import bisect
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoscaler.backtest import static_replay
@@ -194,6 +204,53 @@ def frontier(
     return sorted(points.values(), key=lambda p: (p.gpu_hours, p.late))
 
 
+def rate_levels(curves: Sequence[SegmentCurve], window: int) -> list[float]:
+    """Each segment's demand level: the mean work rate of the segments within `window` of it."""
+    rates = [c.work_rate for c in curves]
+    out = []
+    for k in range(len(rates)):
+        near = rates[max(0, k - window) : k + window + 1]
+        out.append(sum(near) / len(near))
+    return out
+
+
+def rate_only(
+    curves: Sequence[SegmentCurve],
+    window: int,
+    segment_s: float,
+    load_time_s: float,
+    tp: int,
+    *,
+    tolerance: int = 0,
+) -> OraclePoint:
+    """The cheapest schedule of a planner that sees each segment's demand level but not its
+    luck (step 4 of the module docstring), for no late request; with `tolerance`, for at most
+    that many late requests in any one segment."""
+    if window < 0 or tolerance < 0:
+        raise ConfigError("window and tolerance must be non-negative")
+    levels = rate_levels(curves, window)
+    needs = [
+        next((n for n in range(c.first, c.zero_late) if c.late_at(n) <= tolerance), c.zero_late)
+        for c in curves
+    ]
+    order = sorted(range(len(curves)), key=lambda k: levels[k])
+    env = [0] * len(curves)
+    running, i = 0, 0
+    while i < len(order):  # segments of equal level share their envelope
+        j = i
+        while j < len(order) and levels[order[j]] == levels[order[i]]:
+            running = max(running, needs[order[j]])
+            j += 1
+        for k in order[i:j]:
+            env[k] = running
+        i = j
+    floors = [replace(c, first=e, late=(0,)) for c, e in zip(curves, env, strict=True)]
+    # below its floor a segment counts every request late: a large lam keeps every size above
+    point = optimal_schedule(floors, 1e6, segment_s, load_time_s, tp)
+    late = sum(c.late_at(n) for c, n in zip(curves, point.schedule, strict=True))
+    return replace(point, late=late)
+
+
 def oracle(
     trace: Trace,
     fleet: FleetConfig,
@@ -249,5 +306,7 @@ __all__ = [
     "frontier",
     "optimal_schedule",
     "oracle",
+    "rate_levels",
+    "rate_only",
     "schedule_cost",
 ]

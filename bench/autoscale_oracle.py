@@ -5,7 +5,9 @@ For each backtest trace (the same fleet, SLO and load time as `controlplane auto
 it replays every `--segment` seconds of the trace on fixed fleets until none of its requests is
 late, then solves for the GPU-hours / late-requests frontier. It prints, per trace, the cheapest
 hindsight schedule within several late budgets (none; each policy's own count when
-`--backtest out/bench/autoscale.json` exists) beside the policies' GPU-hours, and writes
+`--backtest out/bench/autoscale.json` exists) beside the policies' GPU-hours, and the cheapest
+zero-late schedule of a planner that knows each segment's demand rate (averaged over a load
+time) but not its luck (`autoscaler.oracle.rate_only`), and writes
 out/bench/autoscale_oracle.json and out/bench/autoscale_oracle.png (frontier and policies).
 
 Takes about 15 min on two cores (one process per trace; segment lengths in SEGMENT_S).
@@ -23,7 +25,7 @@ from common import console, out_dir, print_table, save_figure, write_json
 from autoscaler.backtest import DEFAULT_TRACES, BacktestConfig
 from autoscaler.backtest_traces import backtest_trace
 from autoscaler.capacity import SloCapacity
-from autoscaler.oracle import OracleResult, oracle
+from autoscaler.oracle import OraclePoint, OracleResult, oracle, rate_only
 from controlplane.sim.fleet import FleetConfig
 
 # one-minute segments where a segment's sweep is short; the Azure trace's bursts send each sweep
@@ -96,6 +98,7 @@ def main() -> None:
             results = {t: f.result() for t, f in futures.items()}
     policies = policy_figures(args.backtest)
     doc: dict[str, object] = {"traces": {}}
+    rated_points: dict[str, OraclePoint] = {}
     for name, res in results.items():
         figs = policies.get(name, {})
         # (row label, late budget, the policy whose count it is)
@@ -116,6 +119,21 @@ def main() -> None:
                     pol["gpu_hours"] if pol else "",
                 ]
             )
+        # the planner that knows the rate (averaged over a load time) but not the luck: none
+        # late, and at most one late request in any segment
+        window = max(0, round(res.load_time_s / res.segment_s / 2))
+        rated_runs = {
+            tol: rate_only(
+                res.curves, window, res.segment_s, res.load_time_s, res.tp, tolerance=tol
+            )
+            for tol in (0, 1)
+        }
+        rated_points[name] = rated_runs[0]
+        for tol, point in rated_runs.items():
+            label = "rate known, not luck: " + ("none late" if tol == 0 else "<= 1 per segment")
+            rows.append(
+                [label, "", point.late, point.gpu_hours, max(point.schedule, default=0), ""]
+            )
         print_table(
             f"{name}: hindsight schedule ({res.segment_s:.0f}-s segments, {res.requests:,} "
             f"requests, load time {res.load_time_s:.0f} s)",
@@ -124,20 +142,32 @@ def main() -> None:
         )
         entry = res.to_json()
         entry["policies"] = figs
+        entry["rate_only"] = [
+            {
+                "window_segments": window,
+                "tolerance_per_segment": tol,
+                "gpu_hours": point.gpu_hours,
+                "late": point.late,
+                "schedule": list(point.schedule),
+            }
+            for tol, point in rated_runs.items()
+        ]
         doc["traces"][name] = entry  # type: ignore[index]
     write_json("autoscale_oracle.json", doc)
-    plot(results, policies, out_dir() / "autoscale_oracle.png")
+    plot(results, policies, rated_points, out_dir() / "autoscale_oracle.png")
 
 
 def plot(
     results: dict[str, OracleResult],
     policies: dict[str, dict[str, dict[str, float]]],
+    rated: dict[str, OraclePoint],
     path: Path,
 ) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     fig, axes = plt.subplots(1, len(results), figsize=(6.5 * len(results), 4.5), squeeze=False)
     for ax, (name, res) in zip(axes[0], results.items(), strict=True):
@@ -145,6 +175,18 @@ def plot(
         pts = [(p.gpu_hours, 100.0 * (1 - p.late / n)) for p in res.points]
         ax.step([g for g, _ in pts], [a for _, a in pts], where="post", label="hindsight bound")
         xs = [g for g, a in pts if a >= 97.0]
+        if name in rated:
+            r = rated[name]
+            ax.scatter(
+                [r.gpu_hours],
+                [100.0 * (1 - r.late / n)],
+                marker="*",
+                s=120,
+                c="black",
+                label="rate known, luck not (none late)",
+                zorder=4,
+            )
+            xs.append(r.gpu_hours)
         for pol, f in policies.get(name, {}).items():
             ax.scatter([f["gpu_hours"]], [100.0 * f["slo_attainment"]], label=pol, zorder=3)
             xs.append(f["gpu_hours"])
@@ -154,6 +196,8 @@ def plot(
         if xs:
             ax.set_xlim(0.9 * min(xs), 1.1 * max(xs))
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%.0f"))
+        ax.xaxis.set_minor_formatter(FormatStrFormatter("%.0f"))
         # three times the late share of the better of headroom and static peak, at least 0.1%
         figs = policies.get(name, {})
         best = max(

@@ -16,6 +16,8 @@ from autoscaler.oracle import (
     frontier,
     optimal_schedule,
     oracle,
+    rate_levels,
+    rate_only,
     schedule_cost,
 )
 from controlplane.roofline import profile
@@ -124,6 +126,67 @@ def test_frontier_trades_gpu_hours_for_late_requests(curves: list[SegmentCurve])
         assert b.late <= a.late
     # the dearest point serves every segment at its zero-late size or more
     assert points[-1].late == 0
+
+
+def rated(rate: float, zero_late: int) -> SegmentCurve:
+    """A segment at work rate `rate` whose smallest zero-late size is `zero_late`."""
+    return SegmentCurve(0.0, 50, rate, zero_late - 1, (5, 0))
+
+
+@pytest.mark.parametrize(
+    ("segments", "window", "schedule"),
+    [
+        # the level is monotone and so is the need: the envelope is the need itself
+        ([(1.0, 3), (2.0, 4), (3.0, 5)], 0, (3, 4, 5)),
+        # a lucky segment at level 2 needed 6: every segment at level 2 or more holds 6
+        ([(1.0, 3), (2.0, 6), (2.5, 4), (2.0, 4), (1.0, 3)], 0, (3, 6, 6, 6, 3)),
+        # equal levels share their envelope whatever their order
+        ([(2.0, 4), (1.0, 2), (2.0, 5)], 0, (5, 2, 5)),
+        # averaged over one segment either side the levels are 1.5, 2, 2.5: the envelope is
+        # the running maximum of the need in that order
+        ([(1.0, 5), (2.0, 3), (3.0, 4)], 1, (5, 5, 5)),
+    ],
+)
+def test_rate_only_holds_what_equal_demand_needed(
+    segments: list[tuple[float, int]], window: int, schedule: tuple[int, ...]
+) -> None:
+    # ten-minute segments: stepping up is cheaper than holding the peak early
+    curves = [rated(r, n) for r, n in segments]
+    point = rate_only(curves, window, 600.0, LOAD, TP)
+    assert point.schedule == schedule
+    assert point.late == 0
+
+
+@pytest.mark.parametrize(
+    ("tolerance", "schedule", "late"), [(0, (5, 5), 0), (1, (4, 4), 1), (3, (3, 3), 5)]
+)
+def test_rate_only_tolerance_accepts_late_requests_per_segment(
+    tolerance: int, schedule: tuple[int, ...], late: int
+) -> None:
+    # two segments at one level; sizes 3, 4, 5 leave 3, 1, 0 and 2, 0, 0 late
+    curves = [SegmentCurve(0.0, 9, 1.0, 3, (3, 1, 0)), SegmentCurve(60.0, 9, 1.0, 3, (2, 0))]
+    point = rate_only(curves, 0, SEG, LOAD, TP, tolerance=tolerance)
+    assert (point.schedule, point.late) == (schedule, late)
+
+
+def test_rate_levels_average_the_neighbours() -> None:
+    curves = [rated(r, 1) for r in (1.0, 2.0, 6.0)]
+    assert rate_levels(curves, 0) == [1.0, 2.0, 6.0]
+    assert rate_levels(curves, 1) == [1.5, 3.0, 4.0]
+
+
+@settings(max_examples=40, deadline=None)
+@given(curves_st, st.integers(0, 2))
+def test_rate_only_costs_at_least_hindsight(curves: list[SegmentCurve], window: int) -> None:
+    curves = [
+        SegmentCurve(c.start_s, c.requests, float(i % 3), c.first, c.late)
+        for i, c in enumerate(curves)
+    ]
+    point = rate_only(curves, window, SEG, LOAD, TP)
+    best = optimal_schedule(curves, 1e6, SEG, LOAD, TP)
+    assert point.late == 0
+    assert all(c.late_at(n) == 0 for c, n in zip(curves, point.schedule, strict=True))
+    assert point.gpu_hours >= best.gpu_hours - 1e-9
 
 
 def test_segment_replays_on_a_tiny_trace() -> None:
