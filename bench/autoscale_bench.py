@@ -10,7 +10,8 @@ and writes out/bench/autoscale.json (the backtest's JSON) and out/bench/autoscal
 
 By default it replays the 2-h days of `controlplane autoscale backtest` (the headline figures
 quoted in docs/autoscaling.md), one trace per process (about 15-20 min on two cores);
-`--quick` compresses each day to 1 h.
+`--quick` compresses each day to 1 h; `--seed`, `--trace` and `--policies` replay other draws
+of the traces, one trace, or some policies only.
 """
 
 from __future__ import annotations
@@ -62,24 +63,37 @@ def goal(result: BacktestResult) -> dict[str, dict[str, object]]:
     return checks
 
 
-def _one(trace: str, config: BacktestConfig, quick: bool) -> BacktestResult:
+def _one(
+    trace: str, config: BacktestConfig, quick: bool, seed: int, policies: tuple[str, ...]
+) -> BacktestResult:
     """One trace's backtest (in its own process)."""
 
     def start(name: str, total: int) -> None:
         console.print(f"  {trace}: {name} ({total} requests)")
 
-    params: dict[str, dict[str, object]] = {trace: {"day_s": 3600.0}} if quick else {}
-    return backtest([trace], POLICY_NAMES, config, trace_params=params, on_policy_start=start)
+    params: dict[str, object] = {"day_s": 3600.0} if quick else {}
+    if seed:
+        params["seed"] = seed
+    return backtest([trace], policies, config, trace_params={trace: params}, on_policy_start=start)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1-h days (default: 2 h)")
+    parser.add_argument("--seed", type=int, default=0, help="the traces' seed (default 0)")
+    parser.add_argument(
+        "--trace", action="append", help="backtest trace (repeatable; default both)"
+    )
+    parser.add_argument(
+        "--policies", default=",".join(POLICY_NAMES), help="comma-separated (default: all)"
+    )
     args = parser.parse_args()
+    traces = args.trace or list(DEFAULT_TRACES)
+    policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     config = BacktestConfig(autoscale=AutoscaleConfig(load_time_s=240.0, max_replicas=64))
     result = BacktestResult(config)
     with ProcessPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(_one, t, config, args.quick) for t in DEFAULT_TRACES]
+        futures = [pool.submit(_one, t, config, args.quick, args.seed, policies) for t in traces]
         for fut in futures:
             part = fut.result()
             result.traces.update(part.traces)
@@ -97,7 +111,8 @@ def main() -> None:
         )
     plot_backtest(result, out_dir() / "autoscale.png")
     payload = result.to_json(timeline=False)
-    write_json("autoscale.json", {**payload, "goal": checks, "full": not args.quick})
+    doc = {**payload, "goal": checks, "full": not args.quick, "seed": args.seed}
+    write_json("autoscale.json", doc)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,11 @@ from controlplane.sim.fleet import FleetConfig
 SEGMENT_S = {"synthetic-diurnal-tenants": 60.0, "azure-code-diurnal": 300.0}
 
 
-def run_trace(name: str, segment_s: float, warmup_s: float) -> OracleResult:
+def run_trace(name: str, segment_s: float, warmup_s: float, seed: int = 0) -> OracleResult:
     cfg = BacktestConfig()
     auto, prof = cfg.autoscale, cfg.profile()
     cap = SloCapacity.build(prof, auto.ttft_slo_s, auto.tpot_slo_s)
-    trace = backtest_trace(name)
+    trace = backtest_trace(name, **({"seed": seed} if seed else {}))
 
     def progress(done: int, total: int) -> None:
         if done % 10 == 0 or done == total:
@@ -80,6 +80,7 @@ def main() -> None:
         "--segment", type=float, help="segment length, seconds (default: per trace, SEGMENT_S)"
     )
     ap.add_argument("--warmup", type=float, default=120.0, help="replayed before each segment")
+    ap.add_argument("--seed", type=int, default=0, help="the traces' seed (default 0)")
     ap.add_argument("--backtest", type=Path, default=out_dir() / "autoscale.json")
     ap.add_argument(
         "--from-json", type=Path, help="re-report an earlier run's JSON instead of replaying"
@@ -92,7 +93,9 @@ def main() -> None:
     else:
         with ProcessPoolExecutor(max_workers=min(2, len(traces))) as pool:
             futures = {
-                t: pool.submit(run_trace, t, args.segment or SEGMENT_S.get(t, 60.0), args.warmup)
+                t: pool.submit(
+                    run_trace, t, args.segment or SEGMENT_S.get(t, 60.0), args.warmup, args.seed
+                )
                 for t in traces
             }
             results = {t: f.result() for t, f in futures.items()}
@@ -200,7 +203,7 @@ def plot(
             ax.set_xlim(0.9 * min(xs), 1.1 * max(xs))
         ax.set_xscale("log")
         lo, hi = ax.get_xlim()
-        nice = (20, 30, 40, 50, 60, 70, 80, 90, 100, 120, 150, 200, 250)
+        nice: tuple[int, ...] = (20, 30, 40, 50, 60, 70, 80, 90, 100, 120, 150, 200, 250)
         if hi > 2.5 * lo:  # a wide range: fewer labels
             nice = (10, 20, 30, 50, 100, 200, 300)
         ax.set_xticks([t for t in nice if lo <= t <= hi])
