@@ -233,17 +233,15 @@ def rate_only(
         next((n for n in range(c.first, c.zero_late) if c.late_at(n) <= tolerance), c.zero_late)
         for c in curves
     ]
-    order = sorted(range(len(curves)), key=lambda k: levels[k])
+    # the running maximum of the need in order of level; segments of equal level share it
     env = [0] * len(curves)
-    running, i = 0, 0
-    while i < len(order):  # segments of equal level share their envelope
-        j = i
-        while j < len(order) and levels[order[j]] == levels[order[i]]:
-            running = max(running, needs[order[j]])
-            j += 1
-        for k in order[i:j]:
+    running = 0
+    by_level = sorted(range(len(curves)), key=levels.__getitem__)
+    for _, group in itertools.groupby(by_level, key=levels.__getitem__):
+        same = list(group)
+        running = max(running, *(needs[k] for k in same))
+        for k in same:
             env[k] = running
-        i = j
     floors = [replace(c, first=e, late=(0,)) for c, e in zip(curves, env, strict=True)]
     # below its floor a segment counts every request late: a large lam keeps every size above
     point = optimal_schedule(floors, 1e6, segment_s, load_time_s, tp)

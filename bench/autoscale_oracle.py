@@ -37,7 +37,7 @@ def run_trace(name: str, segment_s: float, warmup_s: float, seed: int = 0) -> Or
     cfg = BacktestConfig()
     auto, prof = cfg.autoscale, cfg.profile()
     cap = SloCapacity.build(prof, auto.ttft_slo_s, auto.tpot_slo_s)
-    trace = backtest_trace(name, **({"seed": seed} if seed else {}))
+    trace = backtest_trace(name, seed=seed)
 
     def progress(done: int, total: int) -> None:
         if done % 10 == 0 or done == total:
@@ -125,7 +125,7 @@ def main() -> None:
         # the planner that knows the rate (averaged over a load time) but not the luck: none
         # late, and at most one late request in any segment. Only with segments shorter than a
         # load time: a longer segment's own rate holds its bursts, which are the luck
-        window = max(0, round(res.load_time_s / res.segment_s / 2))
+        window = round(res.load_time_s / res.segment_s / 2)
         rated_runs = {
             tol: rate_only(
                 res.curves, window, res.segment_s, res.load_time_s, res.tp, tolerance=tol
