@@ -1,7 +1,7 @@
 """Backtest autoscaling policies side by side on the same trace, fleet and SLO.
 
 For each trace (`autoscaler.backtest_traces`) and each policy the simulator host
-(`controlplane.sim.autoscale`) replays the whole trace on a fresh fleet of the same replicas
+(`autoscaler.hosts.sim`) replays the whole trace on a fresh fleet of the same replicas
 (Llama-3.1-70B, TP2 on H200 by default), with the same load time, tick, bounds and router.
 Block ids are computed once per trace and shared.
 
@@ -58,10 +58,10 @@ from autoscaler.baselines import (
     static_peak_replicas,
 )
 from autoscaler.capacity import SloCapacity
+from autoscaler.hosts.sim import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from autoscaler.types import DemandSample, FleetCounts, ScaleContext, ScalingPolicy
 from controlplane.errors import ConfigError
 from controlplane.roofline.profile import EngineProfile, profile
-from controlplane.sim.autoscale import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.ids import dense_block_ids
 from controlplane.traces.model import Trace

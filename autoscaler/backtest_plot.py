@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from autoscaler.backtest import BacktestResult
-from controlplane.sim.autoscale import ttft_p99_windows
+from autoscaler.hosts.sim import ttft_p99_windows
 
 
 def plot_backtest(result: BacktestResult, path: Path, window_s: float = 60.0) -> Path:

@@ -50,8 +50,8 @@ from typing import Any
 
 from autoscaler.backtest import static_replay
 from autoscaler.capacity import SloCapacity
+from autoscaler.hosts.sim import AutoscaleConfig
 from controlplane.errors import ConfigError
-from controlplane.sim.autoscale import AutoscaleConfig
 from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.ids import dense_block_ids
 from controlplane.traces.model import Trace

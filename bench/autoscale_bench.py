@@ -29,8 +29,8 @@ from autoscaler.backtest import (
     backtest,
 )
 from autoscaler.backtest_plot import plot_backtest
+from autoscaler.hosts.sim import AutoscaleConfig
 from controlplane.cli.autoscale_backtest import print_backtest
-from controlplane.sim.autoscale import AutoscaleConfig
 
 
 def goal(result: BacktestResult) -> dict[str, dict[str, object]]:

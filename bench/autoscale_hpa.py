@@ -26,8 +26,8 @@ from common import console, out_dir, print_table, save_figure, write_json
 from autoscaler.baselines import HpaGpuUtilPolicy
 from autoscaler.capacity import SloCapacity
 from autoscaler.headroom import HeadroomConfig, HeadroomPolicy
+from autoscaler.hosts.sim import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from controlplane.roofline.profile import profile
-from controlplane.sim.autoscale import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from controlplane.sim.fleet import FleetConfig
 from controlplane.traces.model import Trace, TraceRequest
 

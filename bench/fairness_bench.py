@@ -71,6 +71,7 @@ from common import console, machine, out_dir, print_table, save_figure
 from controlplane.roofline import profile
 from controlplane.roofline.profile import EngineProfile
 from controlplane.roofline.step import StepCostModel
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fair_replay import batch_share_for_trace, fair_replay
 from controlplane.sim.fairness import TenantFairness, tenant_fairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
@@ -80,7 +81,6 @@ from controlplane.sim.tenant_queue import QueueConfig
 from controlplane.tenancy.work import WorkMode, WorkModel
 from controlplane.traces.generators import batch_flood, long_documents
 from controlplane.traces.model import Trace
-from router.policies import make_policy
 
 CONFIG = FleetConfig(profile=profile("h100", "llama-3.1-8b"), replicas=3)
 DOCS = {"duration": 60.0, "doc_rate": 8.0, "chat_rate": 150.0}

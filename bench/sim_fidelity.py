@@ -19,9 +19,9 @@ from common import console, print_table, write_json
 
 from controlplane.roofline import profile
 from controlplane.roofline.calibration import anchors
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.traces import infinite_cache_ceiling, load_trace, lru_ceiling
-from router.policies import make_policy
 
 
 def exact_ceiling(block_size: int) -> dict[str, object]:

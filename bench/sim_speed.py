@@ -19,11 +19,11 @@ import time
 from common import console, print_table, write_json
 
 from controlplane.roofline import profile
+from controlplane.routing.policies import POLICIES, make_policy
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
 from controlplane.traces import load_trace, repeat, scale_rate
 from controlplane.traces.model import Trace
-from router.policies import POLICIES, make_policy
 
 
 def run_once(

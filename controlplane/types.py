@@ -120,7 +120,7 @@ class ReplicaState:
     ledger: Ledger = EMPTY_LEDGER
     # passive health: ejected replicas are not candidates even when READY
     ejected: bool = False
-    # memo for derived values (router.load.estimate); not part of the value
+    # memo for derived values (controlplane.routing.load.estimate); not part of the value
     _memo: object = field(default=None, compare=False, repr=False, hash=False)
 
     @property

@@ -14,8 +14,8 @@ replica count with `num_replicas` here, not with a `deployments:` override in th
 which would bypass the Redis check below.
 
 **One app, one runtime per replica.** Each Serve replica serves exactly the FastAPI app of
-`router.service.create_app` (same endpoints, streaming, errors, `/metrics`). Serve 2.60 runs the
-ASGI lifespan of an ingress app (uvicorn's `LifespanOn`: startup after the constructor, shutdown
+`router.http.service.create_app` (same endpoints, streaming, errors, `/metrics`). Serve 2.60 runs
+the ASGI lifespan of an ingress app (uvicorn's `LifespanOn`: startup after the constructor, shutdown
 from the replica's `__del__` on graceful stop), so the app's own lifespan builds and closes this
 replica's `RouterRuntime` (fleet probes, index client, proxy, metrics) as under uvicorn. The app
 is late-bound (`__serve_build_asgi_app__`) so that it is built inside the replica from the
@@ -73,7 +73,7 @@ from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
 from controlplane.prefix.redis_index import RedisPrefixIndex
 from router.config import RouterSettings, load_settings
-from router.service import create_app
+from router.http.service import create_app
 from router.telemetry import configure_logging
 
 log = logging.getLogger("controlplane.router.serve")
@@ -173,8 +173,8 @@ class ServeAdapter:
       `StreamingResponse` listens for the disconnect while it streams, so a stream the client read
       to the end would otherwise end in that exception, logged by Serve as "Task exception was
       never retrieved". (The other end of a stream under Serve: a client that closes as soon as
-      it has `[DONE]` makes the proxy cancel the replica's task; `router/relay.py` counts such a
-      stream as served, not `client_closed`.)
+      it has `[DONE]` makes the proxy cancel the replica's task; `router/http/relay.py` counts such
+      a stream as served, not `client_closed`.)
     """
 
     def __init__(self, app: ASGIApp, router_id: str) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -28,15 +28,12 @@ from pydantic_settings import (
 )
 
 from controlplane.errors import ConfigError
+from controlplane.routing.config import PolicyConfig, Section
 
 CONFIG_FILE_ENV = "CP_CONFIG_FILE"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class ReplicaConfig(_Section):
+class ReplicaConfig(Section):
     id: str = Field(description="Stable replica id (metric label, index key part).")
     url: str = Field(description="Base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000.")
     gpu: str = Field(default="h100", description="GPU key of the roofline profile (cost model).")
@@ -59,39 +56,7 @@ class ReplicaConfig(_Section):
     kv_topic: str = Field(default="", description="KV-event topic ('' = every topic).")
 
 
-class ArmConfig(_Section):
-    name: str = Field(description="Arm name (the `arm` label of every metric and span).")
-    policy: str = Field(description="Registered routing policy name.")
-    params: dict[str, Any] = Field(default_factory=dict, description="Policy parameters.")
-    weight: float = Field(default=1.0, gt=0, description="Relative share of sticky keys.")
-
-
-class PolicyConfig(_Section):
-    name: str = Field(default="prefix_affinity", description="Routing policy (no A/B split).")
-    params: dict[str, Any] = Field(default_factory=dict, description="Its parameters.")
-    arms: list[ArmConfig] = Field(
-        default_factory=list, description="A/B split: when non-empty, replaces name/params."
-    )
-    sticky_key: Literal["tenant", "session"] = Field(
-        default="tenant",
-        description="What keeps a client on one arm: its tenant, or the session key "
-        "(`user` field / x-session-id header; tenant when absent).",
-    )
-    reservations: bool = Field(default=True, description="Track own in-flight work per replica.")
-    speculative: bool = Field(
-        default=True, description="Write speculative index entries at routing time."
-    )
-    speculative_ttl_s: float = Field(default=10.0, gt=0, description="Speculative entry TTL.")
-
-    @model_validator(mode="after")
-    def _unique_arms(self) -> PolicyConfig:
-        names = [a.name for a in self.arms]
-        if len(names) != len(set(names)):
-            raise ValueError(f"arm names must be unique: {names}")
-        return self
-
-
-class RedisConfig(_Section):
+class RedisConfig(Section):
     url: str | None = Field(
         default=None, description="Redis holding the shared prefix index; None: in-memory index."
     )
@@ -110,7 +75,7 @@ class RedisConfig(_Section):
     )
 
 
-class LimitsConfig(_Section):
+class LimitsConfig(Section):
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond)."
     )
@@ -132,7 +97,7 @@ _TENANT_ID = r"^[A-Za-z0-9._:-]{1,64}$"
 _SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
-class TenantConfig(_Section):
+class TenantConfig(Section):
     id: str = Field(
         pattern=_TENANT_ID, description="Tenant id (metric label, quota and fairness key)."
     )
@@ -169,7 +134,7 @@ class TenantConfig(_Section):
         return v
 
 
-class PublicPrefixConfig(_Section):
+class PublicPrefixConfig(Section):
     name: str = Field(pattern=_TENANT_ID, description="Name of the shared prefix (its salt).")
     tokens_sha256: str = Field(
         pattern=_SHA256_HEX,
@@ -185,7 +150,7 @@ class PublicPrefixConfig(_Section):
     )
 
 
-class TimeoutsConfig(_Section):
+class TimeoutsConfig(Section):
     connect_s: float = Field(default=2.0, gt=0, description="TCP connect to a replica.")
     ttft_s: float = Field(
         default=60.0, gt=0, description="Deadline for the first byte of a response body."
@@ -202,7 +167,7 @@ class TimeoutsConfig(_Section):
     )
 
 
-class HealthConfig(_Section):
+class HealthConfig(Section):
     probe_interval_s: float = Field(default=2.0, gt=0, description="Active /health probes.")
     probe_timeout_s: float = Field(default=1.0, gt=0, description="One probe's timeout.")
     scrape_interval_s: float = Field(default=0.5, gt=0, description="/metrics scrape period.")
@@ -225,7 +190,7 @@ class HealthConfig(_Section):
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="One /metrics scrape's timeout.")
 
 
-class FairnessConfig(_Section):
+class FairnessConfig(Section):
     mode: Literal["off", "request", "vtc", "vtc-roofline"] = Field(
         default="vtc-roofline",
         description="How the router's queue orders tenants: off (no queue: every request is "
@@ -251,7 +216,7 @@ class FairnessConfig(_Section):
     mean_context_tokens: int = Field(
         default=2048, ge=1, description="Context assumed per sequence for the KV ceiling."
     )
-    # several routers: the queue's state in Redis (router/fair_shared.py)
+    # several routers: the queue's state in Redis (router/fairness/shared.py)
     shared: bool = Field(
         default=True,
         description="With redis.url: counters, backlog and slots shared by every router in "
@@ -279,7 +244,7 @@ class FairnessConfig(_Section):
         return self
 
 
-class DemandConfig(_Section):
+class DemandConfig(Section):
     enabled: bool = Field(
         default=True,
         description="Measure the demand signal the autoscaler reads (cp_demand_*, cp_backlog_*).",
@@ -301,7 +266,7 @@ class DemandConfig(_Section):
     )
 
 
-class QuotaConfig(_Section):
+class QuotaConfig(Section):
     window: Literal["fixed", "sliding"] = Field(
         default="fixed",
         description="Token quota windows: fixed (calendar windows of quota_window_s, all reset at "
@@ -340,7 +305,7 @@ class QuotaConfig(_Section):
     )
 
 
-class TelemetryConfig(_Section):
+class TelemetryConfig(Section):
     decision_header: bool = Field(
         default=False,
         description="Add x-cp-decision (arm, replica, reason, predicted hit) to responses. "

@@ -35,19 +35,19 @@ from controlplane.errors import (
     RequestError,
 )
 from controlplane.hashing import BlockHasher, scope_key
+from controlplane.routing.ab import Arm, arms_from_config, assign_arm, sticky_key_for
+from controlplane.routing.interfaces import RoutingPolicy
+from controlplane.routing.ledger import RouterLedger
+from controlplane.routing.policies import make_policy
+from controlplane.routing.predictor import OutputLengthPredictor
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import SaltPolicy
 from controlplane.tokenization import PromptTokenizer, TokenizationError, Tokenized
 from controlplane.types import Decision, PrefixMatch, RoutingRequest
-from router.ab import Arm, arms_from_config, assign_arm, sticky_key_for
 from router.config import RouterSettings
-from router.fleet import LiveFleet
-from router.index import RouterIndex
-from router.interfaces import RoutingPolicy
-from router.ledger import RouterLedger
-from router.openai_api import ChatCompletionRequest, CompletionRequest
-from router.policies import make_policy
-from router.predictor import OutputLengthPredictor
+from router.fleet.index import RouterIndex
+from router.fleet.live_fleet import LiveFleet
+from router.http.openai_api import ChatCompletionRequest, CompletionRequest
 from router.telemetry import RouterMetrics
 
 DEFAULT_BLOCK_SIZE = 16

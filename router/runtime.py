@@ -24,21 +24,20 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
+from controlplane.routing.ledger import RouterLedger
 from controlplane.tenancy.quota import QuotaStore
-from controlplane.tenancy.quota_redis import quota_store_for
 from router.config import ReplicaConfig, RouterSettings
 from router.core import Routed, RouterCore
-from router.demand import RouterDemand
-from router.fair_queue import FairQueue
-from router.fair_shared import fair_queue_for
-from router.fleet import LiveFleet
-from router.index import RouterIndex, open_index
-from router.ledger import RouterLedger
-from router.proxy import Proxy, Usage
+from router.fairness.queue import FairQueue
+from router.fairness.shared import fair_queue_for
+from router.fairness.tenants import key_ring, quota_store_for, salt_policy
+from router.fleet.index import RouterIndex, open_index
+from router.fleet.live_fleet import LiveFleet
+from router.http.proxy import Proxy, Usage
 from router.telemetry import RouterMetrics, decision_header_value
-from router.tenants import key_ring, salt_policy
+from router.telemetry.demand import RouterDemand
+from router.telemetry.tracing import TRACER_NAME
 from router.tokenizer import router_tokenizer
-from router.tracing import TRACER_NAME
 
 log = logging.getLogger("controlplane.router")
 
@@ -76,7 +75,7 @@ class RouterRuntime:
             self.fleet, ttft_s=t.ttft_s, idle_s=t.idle_s, retry_budget=t.retry_budget
         )
         self.events: dict[str, EventIndexer] = {}
-        # the fair queue: local, or shared by every router in Redis (router/fair_shared.py)
+        # the fair queue: local, or shared by every router in Redis (router/fairness/shared.py)
         self.fairq: FairQueue = fair_queue_for(
             settings,
             self.fleet.snapshot,
@@ -86,7 +85,7 @@ class RouterRuntime:
         # token quotas: reserve before dispatch, settle once (Redis when configured)
         self.quotas: QuotaStore = quota_store_for(settings)
         self.quotas.on_settle = lambda o: self.metrics.quota_settlements.labels(str(o)).inc()
-        # the demand signal the autoscaler reads from /metrics (router/demand.py)
+        # the demand signal the autoscaler reads from /metrics (router/telemetry/demand.py)
         self.demand = RouterDemand(settings, self.metrics.registry)
         self.fleet.on_restart(self._restarted)
         self.started_s = time.monotonic()

@@ -23,7 +23,7 @@ from controlplane.tokenization import (
     Tokenized,
     open_tokenizer,
 )
-from router.fleet import LiveFleet
+from router.fleet.live_fleet import LiveFleet
 
 
 class FleetTokenizer:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from controlplane.cli import app
-from router.ab_report import (
+from router.telemetry.ab_report import (
     ArmReport,
     Estimate,
     build_report,

@@ -21,9 +21,9 @@ from autoscaler.backtest import (
     backtest,
 )
 from autoscaler.backtest_traces import BACKTEST_GPU, BACKTEST_MODEL, BACKTEST_TP
+from autoscaler.hosts.sim import AutoscaleConfig
 from controlplane.cli.autoscale import autoscale_app
 from controlplane.errors import ConfigError
-from controlplane.sim.autoscale import AutoscaleConfig
 
 out = Console(width=None if sys.stdout.isatty() else 200)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|min|h)?\s*$")

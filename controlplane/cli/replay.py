@@ -16,6 +16,7 @@ from rich.table import Table
 from controlplane.cli import app
 from controlplane.cli.common import build_profile, build_trace
 from controlplane.errors import ConfigError
+from controlplane.routing.policies import POLICIES
 from controlplane.sim.fair_replay import (
     batch_share_for_trace,
     fair_replay,
@@ -26,7 +27,6 @@ from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.replay import ReplayReport, replay
 from controlplane.tenancy.work import WorkMode
 from controlplane.traces.model import Trace
-from router.policies import POLICIES
 
 out = Console(width=None if sys.stdout.isatty() else 200)
 ALL_POLICIES = ",".join(POLICIES)

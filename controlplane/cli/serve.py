@@ -25,7 +25,7 @@ def _run_router(settings: object) -> None:
     import uvicorn
 
     from router.config import RouterSettings
-    from router.service import create_app
+    from router.http.service import create_app
     from router.telemetry import configure_logging, setup_tracing
 
     assert isinstance(settings, RouterSettings)

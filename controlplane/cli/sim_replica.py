@@ -9,8 +9,8 @@ import typer
 
 from controlplane.cli import app
 from controlplane.hashing import VllmAlgo
-from controlplane.replica.config import KVEventsSettings, ReplicaConfig, SchedulingPolicy
-from controlplane.replica.faults import Faults, parse_fault_flags
+from controlplane.sim_replica.config import KVEventsSettings, ReplicaConfig, SchedulingPolicy
+from controlplane.sim_replica.faults import Faults, parse_fault_flags
 
 READY_PREFIX = "sim-replica ready at "
 
@@ -75,12 +75,12 @@ def sim_replica_cmd(
     ] = "",
     fault: Annotated[
         list[str] | None,
-        typer.Option(help="NAME[=VALUE], repeatable: see controlplane.replica.faults."),
+        typer.Option(help="NAME[=VALUE], repeatable: see controlplane.sim_replica.faults."),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve a simulated vLLM replica: OpenAI API, /metrics, KV events, fault knobs."""
-    from controlplane.replica.server import run_replica
+    from controlplane.sim_replica.server import run_replica
 
     faults = Faults()
     faults.update(parse_fault_flags(fault or []))

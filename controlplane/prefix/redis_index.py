@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import struct
 from collections.abc import Callable, Sequence
@@ -65,9 +64,10 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from controlplane.errors import ConfigError
-from controlplane.prefix.breaker import BreakerState, CircuitBreaker
 from controlplane.prefix.redis_lua import LOOKUP, WRITE
-from controlplane.redis_scripts import Script, script_client
+from controlplane.store.breaker import BreakerState, CircuitBreaker
+from controlplane.store.scripts import Script, script_client
+from controlplane.store.urls import check_url, redacted
 from controlplane.types import PrefixMatch
 
 log = logging.getLogger(__name__)
@@ -97,34 +97,6 @@ def encode_incarnation(incarnation: int) -> str:
     if incarnation == ANY_INCARNATION:
         return ""
     return f"{(int(incarnation) + _INC_OFFSET) & MASK64:016x}"
-
-
-def check_url(url: str, *, allow_insecure: bool = False, has_credentials: bool = False) -> None:
-    """Refuse an unauthenticated URL to a non-loopback host unless explicitly allowed."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(f"redis URL scheme must be redis://, rediss:// or unix://, not {url!r}")
-    if parts.scheme == "unix" or allow_insecure:
-        return
-    host = parts.hostname or ""
-    loopback = host == "localhost"
-    if not loopback:
-        with contextlib.suppress(ValueError):
-            loopback = ipaddress.ip_address(host).is_loopback
-    if loopback or has_credentials or parts.password:
-        return
-    raise ConfigError(
-        f"refusing an unauthenticated Redis URL to non-loopback host {host!r}: give a password "
-        "(redis://user:pass@host or password=), or pass allow_insecure=True"
-    )
-
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
-    return parts._replace(netloc=netloc).geturl()
 
 
 @dataclass(slots=True)
@@ -190,7 +162,7 @@ class RedisPrefixIndex:
         if not key_prefix or any(c.isspace() for c in key_prefix):
             raise ConfigError("key_prefix must be non-empty, without whitespace")
         check_url(url, allow_insecure=allow_insecure, has_credentials=password is not None)
-        self.url = _redacted(url)
+        self.url = redacted(url)
         self.key_prefix = key_prefix
         self.entry_ttl_ms = max(1, round(entry_ttl_s * 1000))
         self.max_entries_per_replica = max_entries_per_replica

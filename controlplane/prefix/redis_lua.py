@@ -13,7 +13,7 @@ by expiry (read by lookups with ZMSCORE: speculative expiry is exact).
 
 from __future__ import annotations
 
-from controlplane.redis_scripts import LUA_NOW
+from controlplane.store.scripts import LUA_NOW
 
 _COMMON = "\nlocal P = ARGV[1]" + LUA_NOW
 # ARGV: prefix, now ('' = Redis TIME), chain (8 bytes per block), candidates as one string

@@ -24,6 +24,7 @@ from dataclasses import asdict, replace
 from statistics import fmean
 
 from controlplane.errors import ConfigError
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fairness import tenant_fairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
@@ -33,7 +34,6 @@ from controlplane.tenancy.classes import ClassLoad, batch_kv_share, interactive_
 from controlplane.tenancy.work import WorkMode, WorkModel
 from controlplane.traces.model import Trace
 from controlplane.types import PriorityClass
-from router.policies import make_policy
 
 
 def parse_weights(spec: str) -> dict[str, float]:

@@ -11,7 +11,7 @@ Everything happens at simulated times popped from a single heap (the injected cl
     SCRAPE    every `scrape_interval_s` the routers read each replica's metrics (running,
               waiting, KV usage); 0 means metrics are always fresh
     CONTROL   a replica joins (ready after its load time) or leaves (drains, or dies)
-    TICK      every `tick_s`, when a host set `on_tick` (the autoscaler: controlplane.sim.autoscale)
+    TICK      every `tick_s`, when a host set `on_tick` (the autoscaler: autoscaler.hosts.sim)
 
 With `FleetConfig.fairness` set, ARRIVAL only queues the request in the router's per-tenant FIFOs
 (`controlplane.sim.tenant_queue`); it is routed when the fair queue dispatches it: after the
@@ -23,7 +23,7 @@ rejected or failed); `join` / `leave` change the fleet at once; `busy_time` read
 busy seconds so far (its duty cycle).
 
 Routers only ever see what a live router sees: scraped metrics, their own ledger, index lookups.
-The policy objects are the live router's (router.policies); one instance per router.
+The policy objects are the live router's (controlplane.routing.policies); one instance per router.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ from typing import Protocol
 
 from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.roofline.profile import EngineProfile
+from controlplane.routing.interfaces import RoutingPolicy
+from controlplane.routing.ledger import RouterLedger
+from controlplane.routing.predictor import OutputLengthPredictor
 from controlplane.sim.block_pool import BlockPool
 from controlplane.sim.engine import SimEngine
 from controlplane.sim.engine_index import EngineBackedIndex
@@ -58,9 +61,6 @@ from controlplane.types import (
     ReplicaState,
     RoutingRequest,
 )
-from router.interfaces import RoutingPolicy
-from router.ledger import RouterLedger
-from router.predictor import OutputLengthPredictor
 
 ARRIVAL, STEP, KV, SCRAPE, CONTROL, TICK = range(6)
 _JOIN, _READY, _LEAVE, _KILL = range(4)

@@ -13,13 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fairness import TenantFairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.pooled import pooled_hit_rate
 from controlplane.sim.results import FleetResult
 from controlplane.traces.model import Trace
-from router.policies import make_policy
 
 SUMMARY_KEYS = (
     "requests",

@@ -17,7 +17,7 @@ commands through `num` (`%.0f`): Lua 5.1 prints large numbers as 1.7e+12 otherwi
 
 from __future__ import annotations
 
-from controlplane.redis_scripts import LUA_NOW
+from controlplane.store.scripts import LUA_NOW
 
 _COMMON = (
     r"""

@@ -34,22 +34,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from controlplane.errors import QuotaUnavailableError
-from controlplane.prefix.breaker import BreakerState, CircuitBreaker
-from controlplane.prefix.redis_index import check_url
-from controlplane.redis_scripts import Script, check_key_prefix, evalsha, script_client
+from controlplane.store.breaker import BreakerState, CircuitBreaker
+from controlplane.store.scripts import Script, check_key_prefix, evalsha, script_client
+from controlplane.store.urls import check_url
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import (
     QuotaReason,
     QuotaStats,
-    QuotaStore,
     Reservation,
     SettleOutcome,
     WindowKind,
@@ -57,9 +55,6 @@ from controlplane.tenancy.quota import (
 )
 from controlplane.tenancy.quota_lua import HEARTBEAT, RESERVE, SETTLE, STATS
 from controlplane.tenancy.quota_memory import MemoryQuotaStore
-
-if TYPE_CHECKING:
-    from router.config import RouterSettings
 
 log = logging.getLogger(__name__)
 
@@ -338,22 +333,4 @@ class RedisQuotaStore:
             )
 
 
-def quota_store_for(settings: RouterSettings) -> QuotaStore:
-    """The router's store: Redis when `redis.url` is configured, else in memory."""
-    q = settings.quota
-    window = WindowKind(q.window)
-    if settings.redis.url is None:
-        return MemoryQuotaStore(window=window, reservation_ttl_s=q.reservation_ttl_s)
-    return RedisQuotaStore(
-        settings.redis.url,
-        key_prefix=q.key_prefix,
-        window=window,
-        reservation_ttl_s=q.reservation_ttl_s,
-        timeout_s=q.timeout_ms / 1000,
-        heartbeat_s=q.heartbeat_s,
-        expected_routers=q.expected_routers,
-        password=os.environ.get(settings.redis.password_env) or None,
-    )
-
-
-__all__ = ["RedisQuotaStore", "quota_store_for"]
+__all__ = ["RedisQuotaStore"]

@@ -22,7 +22,7 @@ backlogged their counters stay within one charge of each other (the served one w
 when picked) plus whatever streams in after dispatch.
 
 Everything here is a pure function over a frozen `VtcState`: the simulator and the live router
-(`router/fair_queue.py`) run the same code.
+(`router/fairness/queue.py`) run the same code.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ import httpx
 import uvicorn
 
 from router.config import RouterSettings
+from router.http.service import create_app
 from router.runtime import RouterRuntime
-from router.service import create_app
 
 
 class RouterServer:

@@ -1,4 +1,4 @@
-"""Simulated vLLM replicas (`python -m controlplane.replica`) as subprocesses, for tests.
+"""Simulated vLLM replicas (`python -m controlplane.sim_replica`) as subprocesses, for tests.
 
 Each replica listens on a port the OS picks (`--port 0`; the URL comes from its ready line), runs
 in its own process group, and is waited for until `/health` answers 200. Teardown sends SIGTERM
@@ -52,7 +52,7 @@ class SimReplica:
         cmd = [
             sys.executable,
             "-m",
-            "controlplane.replica",
+            "controlplane.sim_replica",
             "--host",
             "127.0.0.1",
             "--port",

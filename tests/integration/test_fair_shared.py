@@ -19,12 +19,12 @@ from hypothesis import strategies as st
 from redis_server import RedisServer
 
 from controlplane.roofline.profile import profile
+from controlplane.tenancy.fair_redis import Head, Reply, RouterState, SharedFairStore, SharedView
 from controlplane.tenancy.model import Tenant
 from controlplane.types import FleetSnapshot, PriorityClass, ReplicaState, RoutingRequest
 from router.config import FairnessConfig, load_settings
-from router.fair_queue import FairQueue, Ticket
-from router.fair_redis import Head, Reply, RouterState, SharedFairStore, SharedView
-from router.fair_shared import SharedFairQueue, fair_queue_for, fast_room
+from router.fairness.queue import FairQueue, Ticket
+from router.fairness.shared import SharedFairQueue, fair_queue_for, fast_room
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 

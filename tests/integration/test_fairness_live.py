@@ -38,8 +38,8 @@ from redis_server import RedisServer
 from router_fixtures import MODEL, metric_value, sim_args
 from sim_fleet import SimReplica
 
+from controlplane.tenancy.fair_redis import SharedFairStore
 from deploy.tiny_model import default_model_dir, make_tiny_model
-from router.fair_redis import SharedFairStore
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 

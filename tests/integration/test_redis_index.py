@@ -18,7 +18,8 @@ from redis_server import RedisServer, available
 from controlplane.errors import ConfigError
 from controlplane.hashing import BlockHasher, scope_key
 from controlplane.prefix.memory import InMemoryPrefixIndex
-from controlplane.prefix.redis_index import ANY_INCARNATION, RedisPrefixIndex, check_url
+from controlplane.prefix.redis_index import ANY_INCARNATION, RedisPrefixIndex
+from controlplane.store.urls import check_url
 from controlplane.types import PrefixMatch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from controlplane.prefix.breaker import BreakerState, CircuitBreaker
+from controlplane.store.breaker import BreakerState, CircuitBreaker
 
 pytestmark = pytest.mark.redis
 

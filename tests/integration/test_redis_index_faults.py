@@ -14,8 +14,8 @@ import pytest
 from redis_server import RedisServer, free_port
 
 from controlplane.hashing import BlockHasher
-from controlplane.prefix.breaker import BreakerState
 from controlplane.prefix.redis_index import RedisPrefixIndex
+from controlplane.store.breaker import BreakerState
 from controlplane.types import PrefixMatch
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]

@@ -66,8 +66,8 @@ from sim_fleet import SimReplica
 
 from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.config import RouterSettings, load_settings
+from router.http.service import create_app
 from router.runtime import RouterRuntime
-from router.service import create_app
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 REPLICA_COUNTERS = (

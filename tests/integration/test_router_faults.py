@@ -41,7 +41,7 @@ from router_harness import RouterServer
 from sim_fleet import SimReplica
 
 from deploy.tiny_model import default_model_dir, make_tiny_model
-from router.proxy import RetryBudget
+from router.http.proxy import RetryBudget
 from router.telemetry import parse_decision_header
 
 ADMIN_KEY = "fault-test-admin"

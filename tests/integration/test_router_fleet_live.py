@@ -11,10 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sim_fleet import SimReplica, group_gone
 
+from controlplane.routing.ledger import RouterLedger
 from controlplane.types import Phase
 from router.config import HealthConfig, ReplicaConfig, RouterSettings
-from router.fleet import LiveFleet, SlowReason
-from router.ledger import RouterLedger
+from router.fleet.live_fleet import LiveFleet, SlowReason
 
 MODEL = "tiny-llama"
 BLOCK_SIZE = 64  # not the simulator's default (32): it must come from the metrics

@@ -36,9 +36,9 @@ from controlplane.tenancy.salts import tenant_salt
 from controlplane.tokenization import LocalTokenizer
 from controlplane.types import RoutingRequest
 from deploy.tiny_model import default_model_dir, make_tiny_model
-from router.logs import configure_logging
-from router.openai_api import ChatCompletionRequest
+from router.http.openai_api import ChatCompletionRequest
 from router.telemetry import parse_decision_header
+from router.telemetry.logs import configure_logging
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(300)]
 

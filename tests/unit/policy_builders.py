@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from hypothesis import strategies as st
 
 from controlplane.roofline.profile import EngineProfile, profile
+from controlplane.routing.interfaces import RoutingPolicy
+from controlplane.routing.policies import POLICIES
 from controlplane.types import (
     Decision,
     DecisionReason,
@@ -22,8 +24,6 @@ from controlplane.types import (
     ReplicaState,
     RoutingRequest,
 )
-from router.interfaces import RoutingPolicy
-from router.policies import POLICIES
 
 H100_8B: EngineProfile = profile("h100", "llama-3.1-8b")
 A100_8B: EngineProfile = profile("a100", "llama-3.1-8b")

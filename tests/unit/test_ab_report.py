@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from controlplane.cli import _register, app
 from controlplane.metrics_scrape import MetricsScrapeError
-from router.ab_report import (
+from router.telemetry.ab_report import (
     NONE,
     Estimate,
     arm_buckets,
@@ -26,7 +26,7 @@ from router.ab_report import (
     sum_samples,
     wilson,
 )
-from router.metrics import RouterMetrics
+from router.telemetry.metrics import RouterMetrics
 
 INF = math.inf
 TENTHS = [(round(0.1 * i, 1), 10.0 * i) for i in range(1, 11)] + [(INF, 100.0)]

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoscaler.capacity import SloCapacity
+from autoscaler.hosts.sim import AutoscaleConfig
 from autoscaler.oracle import (
     OracleResult,
     SegmentCurve,
@@ -21,7 +22,6 @@ from autoscaler.oracle import (
     schedule_cost,
 )
 from controlplane.roofline import profile
-from controlplane.sim.autoscale import AutoscaleConfig
 from controlplane.sim.fleet import FleetConfig
 from controlplane.traces.model import Trace, TraceRequest
 

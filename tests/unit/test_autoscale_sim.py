@@ -1,4 +1,4 @@
-"""The simulator host for autoscaling policies (controlplane.sim.autoscale) on tiny traces."""
+"""The simulator host for autoscaling policies (autoscaler.hosts.sim) on tiny traces."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from autoscaler.backtest import POLICY_NAMES, BacktestConfig, backtest_one
 from autoscaler.baselines import HpaGpuUtilPolicy, StaticPeakConfig, StaticPeakPolicy
+from autoscaler.hosts.sim import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from autoscaler.types import ScaleContext, ScaleDecision, ScaleReason
 from controlplane.roofline import profile
 from controlplane.roofline.profile import EngineProfile
-from controlplane.sim.autoscale import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from controlplane.sim.fleet import FleetConfig
 from controlplane.traces.model import Trace, TraceRequest
 
@@ -224,8 +224,8 @@ def test_prewarm_replays_the_day_before_from_arrivals_alone() -> None:
     from autoscaler.backtest import arrival_samples, prewarm
     from autoscaler.capacity import SloCapacity
     from autoscaler.headroom import HeadroomConfig, HeadroomPolicy
+    from autoscaler.hosts.sim import AutoscaleConfig
     from controlplane.roofline.profile import profile
-    from controlplane.sim.autoscale import AutoscaleConfig
     from controlplane.traces.model import Trace, TraceRequest
 
     reqs = tuple(

@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 from controlplane.cli import _register, app
 from controlplane.cli.config_cmd import ABSENT, diff_settings, flatten
 from controlplane.errors import ConfigError
-from router.ab import arms_from_config, assign_arm, sticky_key_for
-from router.config import PolicyConfig, RouterSettings, load_settings, resolved_dict
+from controlplane.routing.ab import arms_from_config, assign_arm, sticky_key_for
+from controlplane.routing.config import PolicyConfig
+from router.config import RouterSettings, load_settings, resolved_dict
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "deploy" / "router.example.yaml"
 

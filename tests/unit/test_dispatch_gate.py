@@ -10,6 +10,7 @@ import itertools
 import pytest
 
 from controlplane.roofline import profile
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.request import EngineRequest
 from controlplane.sim.tenant_queue import (
@@ -21,7 +22,6 @@ from controlplane.sim.tenant_queue import (
 )
 from controlplane.traces.generators import long_documents
 from controlplane.types import PriorityClass
-from router.policies import make_policy
 
 H100 = profile("h100", "llama-3.1-8b")
 BUDGET = H100.resolved_max_num_batched_tokens  # 8,192

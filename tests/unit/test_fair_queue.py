@@ -21,7 +21,7 @@ from controlplane.types import (
     RoutingRequest,
 )
 from router.config import FairnessConfig
-from router.fair_queue import FairQueue, QueueFullError, TenantQueueFullError, Ticket
+from router.fairness.queue import FairQueue, QueueFullError, TenantQueueFullError, Ticket
 
 PROFILE = profile("h100", "llama-3.1-8b")
 A, B = Tenant("A"), Tenant("B")

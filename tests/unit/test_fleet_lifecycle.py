@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from controlplane.roofline import profile
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.results import FleetResult
 from controlplane.traces.model import Trace, TraceRequest
 from controlplane.types import Phase
-from router.policies import make_policy
 
 PROFILE = profile("h100", "llama-3.1-8b")
 

@@ -1,4 +1,5 @@
-"""The routing-policy contract, checked for every policy in `router.policies.POLICIES`.
+"""The routing-policy contract, checked for every policy in
+`controlplane.routing.policies.POLICIES`.
 
 - only routable replicas (READY and not ejected) are chosen or ranked;
 - no routable replica -> `Decision.none_healthy()`;
@@ -35,9 +36,9 @@ from policy_builders import (
     routed_to,
 )
 
+from controlplane.routing.interfaces import RoutingPolicy
+from controlplane.routing.policies import OWN_POLICIES, PEER_POLICIES, POLICIES, make_policy
 from controlplane.types import Decision, DecisionReason, FleetSnapshot, Phase
-from router.interfaces import RoutingPolicy
-from router.policies import OWN_POLICIES, PEER_POLICIES, POLICIES, make_policy
 
 NORMAL_REASON = {
     "round_robin": {DecisionReason.ROUND_ROBIN},

@@ -2,7 +2,7 @@
 
 Scenario tables: fleet + prefix matches + request -> expected replica and `DecisionReason`.
 Loads are this router's ledger (`busy(tokens)`: tokens still to prefill) unless a row says
-otherwise, so `router.load.outstanding_tokens` equals the number written in the row.
+otherwise, so `controlplane.routing.load.outstanding_tokens` equals the number written in the row.
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ from policy_builders import (
 )
 
 from controlplane.errors import ConfigError
+from controlplane.routing.load import outstanding_tokens
+from controlplane.routing.policies.common import pick_tied, usable_hit_blocks
+from controlplane.routing.policies.least_loaded import LeastLoaded
+from controlplane.routing.policies.predicted_finish import PredictedFinish
+from controlplane.routing.policies.prefix_affinity import PrefixAffinity
+from controlplane.routing.policies.round_robin import RoundRobin
 from controlplane.types import (
     DecisionReason,
     FleetSnapshot,
@@ -36,12 +42,6 @@ from controlplane.types import (
     ReplicaState,
     RoutingRequest,
 )
-from router.load import outstanding_tokens
-from router.policies.common import pick_tied, usable_hit_blocks
-from router.policies.least_loaded import LeastLoaded
-from router.policies.predicted_finish import PredictedFinish
-from router.policies.prefix_affinity import PrefixAffinity
-from router.policies.round_robin import RoundRobin
 
 R = DecisionReason
 

@@ -20,11 +20,11 @@ from policy_builders import (
 )
 
 from controlplane.roofline.profile import profile
+from controlplane.routing.policies.common import pick_tied
+from controlplane.routing.policies.dynamo_kv_cost import DynamoKvCost
+from controlplane.routing.policies.llm_d_weighted import MAX_HASHED_BLOCKS, LlmDWeighted
+from controlplane.routing.policies.sglang_cache_aware import SglangCacheAware
 from controlplane.types import Decision, DecisionReason, FleetSnapshot, RoutingRequest
-from router.policies.common import pick_tied
-from router.policies.dynamo_kv_cost import DynamoKvCost
-from router.policies.llm_d_weighted import MAX_HASHED_BLOCKS, LlmDWeighted
-from router.policies.sglang_cache_aware import SglangCacheAware
 
 R = DecisionReason
 H = chain(10, seed=1)  # the shared prefix most tests route

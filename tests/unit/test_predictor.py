@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.predictor import OutputLengthPredictor
+from controlplane.routing.predictor import OutputLengthPredictor
 
 
 def fed(samples: list[tuple[str, int, int]], **params: float) -> OutputLengthPredictor:

@@ -35,8 +35,8 @@ from controlplane.tenancy.quota import (
 )
 from controlplane.tenancy.quota_memory import MemoryQuotaStore
 from router.config import load_settings
+from router.http.service import create_app
 from router.runtime import RouterRuntime
-from router.service import create_app
 
 F, S = WindowKind.FIXED, WindowKind.SLIDING
 EX, BIG = QuotaReason.EXHAUSTED, QuotaReason.TOO_LARGE

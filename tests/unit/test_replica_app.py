@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.metrics_scrape import parse_metrics
-from controlplane.replica import Faults, Replica, ReplicaConfig, build_app
-from controlplane.replica.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
+from controlplane.sim_replica import Faults, Replica, ReplicaConfig, build_app
+from controlplane.sim_replica.metrics import REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS
 
 TOKEN = "secret"
 B = 32

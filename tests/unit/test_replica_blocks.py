@@ -7,8 +7,8 @@ import pytest
 from controlplane.errors import CapacityError
 from controlplane.hashing import vllm_block_hashes
 from controlplane.kvevents.wire import WireAllBlocksCleared, WireBlockRemoved, WireBlockStored
-from controlplane.replica.blocks import BlockHashTable
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from controlplane.sim_replica.blocks import BlockHashTable
 
 B = 32
 

@@ -10,8 +10,8 @@ import zmq
 import zmq.asyncio
 
 from controlplane.kvevents.wire import END_SEQ, WireBlockRemoved, decode_batch, decode_seq
-from controlplane.replica.config import KVEventsSettings
-from controlplane.replica.kv_publisher import KVEventPublisher
+from controlplane.sim_replica.config import KVEventsSettings
+from controlplane.sim_replica.kv_publisher import KVEventPublisher
 
 
 async def _replay(

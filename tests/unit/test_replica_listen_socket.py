@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from controlplane.replica.server import listen_socket
+from controlplane.sim_replica.server import listen_socket
 
 
 async def test_accepted_connections_have_tcp_nodelay() -> None:

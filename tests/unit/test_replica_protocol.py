@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from controlplane.errors import ConfigError
-from controlplane.replica.config import (
+from controlplane.sim_replica.config import (
     KVEventsSettings,
     ReplicaConfig,
     default_hash_seed,
     is_bind_endpoint,
 )
-from controlplane.replica.faults import Faults, parse_fault_flags
-from controlplane.replica.protocol import ApiError, error_body, output_ids, parse_generation
-from controlplane.replica.tokenizer import ByteTokenizer
+from controlplane.sim_replica.faults import Faults, parse_fault_flags
+from controlplane.sim_replica.protocol import ApiError, error_body, output_ids, parse_generation
+from controlplane.sim_replica.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 LEN = 1024

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from controlplane.replica.tokenizer import (
+from controlplane.sim_replica.tokenizer import (
     BOS_ID,
     BYTE_OFFSET,
     ByteTokenizer,

@@ -15,8 +15,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from controlplane.errors import ConfigError
-from router.ab import Arm, arms_from_config, assign_arm, key_fraction, sticky_key_for
-from router.config import ArmConfig, PolicyConfig
+from controlplane.routing.ab import Arm, arms_from_config, assign_arm, key_fraction, sticky_key_for
+from controlplane.routing.config import ArmConfig, PolicyConfig
 
 AB = (Arm("a", "prefix_affinity", weight=1.0), Arm("b", "round_robin", weight=1.0))
 SKEWED = (Arm("x", "round_robin", weight=1.0), Arm("y", "least_loaded", weight=3.0))
@@ -69,7 +69,7 @@ def test_assignment_is_the_same_in_another_process() -> None:
     here = [assign_arm(THREE, k).name for k in keys]
     code = (
         "import sys, json\n"
-        "from router.ab import Arm, assign_arm\n"
+        "from controlplane.routing.ab import Arm, assign_arm\n"
         "arms = (Arm('p','prefix_affinity',weight=0.2), Arm('q','round_robin',weight=0.3),"
         " Arm('r','least_loaded',weight=0.5))\n"
         "keys = json.loads(sys.stdin.read())\n"
@@ -106,7 +106,7 @@ def test_assignment_is_the_same_in_another_process() -> None:
 def test_boundaries_follow_cumulative_weights(
     monkeypatch: pytest.MonkeyPatch, fraction: float, arms: tuple[Arm, ...], expected: str
 ) -> None:
-    monkeypatch.setattr("router.ab.key_fraction", lambda key: fraction)
+    monkeypatch.setattr("controlplane.routing.ab.key_fraction", lambda key: fraction)
     assert assign_arm(arms, "whatever").name == expected
 
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from controlplane.errors import ConfigError, UnknownReplicaError
+from controlplane.routing.ledger import RouterLedger
 from controlplane.types import Phase
 from router.config import HealthConfig, ReplicaConfig, RouterSettings
-from router.fleet import LiveFleet
-from router.health import (
+from router.fleet.health import (
     EjectReason,
     FailureReason,
     Liveness,
@@ -31,7 +31,7 @@ from router.health import (
     restart_signal,
     start_marker,
 )
-from router.ledger import RouterLedger
+from router.fleet.live_fleet import LiveFleet
 
 INF = math.inf
 

@@ -1,4 +1,5 @@
-"""RouterLedger (this router's reservations) and router.load (a router's per-replica estimate)."""
+"""RouterLedger (this router's reservations) and controlplane.routing.load (a router's
+per-replica estimate)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_builders import H100_8B, fleet, replica, request
 
+from controlplane.routing.ledger import RouterLedger
+from controlplane.routing.load import (
+    PRIOR_DECODE_TOKENS,
+    PRIOR_PREFILL_TOKENS,
+    estimate,
+    outstanding_tokens,
+)
+from controlplane.routing.policies.least_loaded import LeastLoaded
 from controlplane.types import EngineMetrics, Ledger, ReplicaState
-from router.ledger import RouterLedger
-from router.load import PRIOR_DECODE_TOKENS, PRIOR_PREFILL_TOKENS, estimate, outstanding_tokens
-from router.policies.least_loaded import LeastLoaded
 
 CAP = H100_8B.num_gpu_blocks * H100_8B.resolved_block_size
 
@@ -223,7 +229,8 @@ def test_ledger_matches_a_brute_force_model(
     assert all(led.view(r) == Ledger() for r in ("r0", "r1", "r2"))
 
 
-# -- router.load.estimate --------------------------------------------------------------------------
+# -- controlplane.routing.load.estimate
+# --------------------------------------------------------------------------
 def rep(
     running: int = 0, waiting: int = 0, kv: float = 0.0, ledger: Ledger | None = None
 ) -> ReplicaState:

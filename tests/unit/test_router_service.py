@@ -16,8 +16,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from router.config import load_settings
+from router.http.service import create_app
 from router.runtime import RouterRuntime
-from router.service import create_app
 from router.telemetry import parse_decision_header
 
 MODEL = "tiny-llama"

@@ -17,7 +17,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from controlplane.errors import ConfigError
 from controlplane.types import DecisionReason
-from router import tracing
 from router.telemetry import (
     DECISION_HEADER,
     STATUS_CLIENT_CLOSED,
@@ -35,6 +34,7 @@ from router.telemetry import (
     set_usage_attributes,
     setup_tracing,
     span_name,
+    tracing,
 )
 
 

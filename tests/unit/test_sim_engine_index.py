@@ -21,6 +21,7 @@ import pytest
 
 from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.roofline.profile import profile
+from controlplane.routing.policies import make_policy
 from controlplane.sim.engine import SimEngine
 from controlplane.sim.engine_index import EngineBackedIndex
 from controlplane.sim.fleet import FleetConfig, FleetSim
@@ -29,7 +30,6 @@ from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from controlplane.sim.request import EngineRequest
 from controlplane.traces import multi_turn, shared_prefix
 from controlplane.traces.model import Trace, TraceRequest
-from router.policies import make_policy
 
 RID = "replica-0"
 BS = 16

@@ -9,13 +9,13 @@ import pytest
 from sim_builders import PoolGuard, check_scheduler
 
 from controlplane.roofline.profile import profile
+from controlplane.routing.policies import make_policy
 from controlplane.sim.engine_index import EngineBackedIndex
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.results import FleetResult
 from controlplane.traces import infinite_cache_ceiling, load_trace, multi_turn, shared_prefix
 from controlplane.traces.model import Trace
-from router.policies import make_policy
 
 
 def small_trace() -> Trace:

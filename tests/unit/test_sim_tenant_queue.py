@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from controlplane.cli import _register, app
 from controlplane.errors import ConfigError
 from controlplane.roofline import profile
+from controlplane.routing.policies import make_policy
 from controlplane.sim.fair_replay import batch_share_for_trace, fair_replay, parse_weights
 from controlplane.sim.fairness import jain_index, tenant_fairness
 from controlplane.sim.fleet import FleetConfig, FleetSim, QueueConfig
@@ -22,7 +23,6 @@ from controlplane.tenancy.work import WorkMode, WorkModel
 from controlplane.traces import load_trace
 from controlplane.traces.generators import batch_flood, long_documents, multi_tenant
 from controlplane.types import PriorityClass
-from router.policies import make_policy
 
 H100 = profile("h100", "llama-3.1-8b")
 ROOF = WorkModel.build("vtc-roofline", H100)

@@ -22,8 +22,8 @@ from controlplane.hashing import BlockHasher, scope_key, vllm_block_hashes
 from controlplane.kvevents.ingest import EventIngestor, cache_salt_of
 from controlplane.kvevents.wire import WireBatch, WireBlockStored
 from controlplane.prefix.memory import InMemoryPrefixIndex
-from controlplane.replica.blocks import BlockHashTable
 from controlplane.sim.kv_events import BlockStored
+from controlplane.sim_replica.blocks import BlockHashTable
 from controlplane.tenancy.identity import AuthReason, KeyRejected, KeyRing, key_digest, new_key
 from controlplane.tenancy.model import DEFAULT_TENANT, Tenant
 from controlplane.tenancy.salts import (

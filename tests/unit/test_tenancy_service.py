@@ -18,9 +18,9 @@ from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import tenant_salt
 from controlplane.types import PriorityClass, RoutingRequest
 from router.config import load_settings
-from router.openai_api import ChatCompletionRequest
+from router.http.openai_api import ChatCompletionRequest
+from router.http.service import create_app
 from router.runtime import RouterRuntime
-from router.service import create_app
 
 MODEL = "tiny-llama"
 SECRET, HASH_SECRET, ADMIN = "salt-secret", "hash-secret", "admin-key"

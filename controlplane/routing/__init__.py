@@ -1,0 +1,1 @@
+"""Routing core shared by the simulator and the live router."""

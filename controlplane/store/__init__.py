@@ -1,0 +1,1 @@
+"""Redis plumbing shared by the prefix index, quota and fair-queue stores."""

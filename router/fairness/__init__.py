@@ -1,0 +1,1 @@
+"""Tenants and the router's fair queue (local, or shared in Redis)."""

@@ -1,0 +1,1 @@
+"""The live router's fleet: replicas, health, probes, the prefix index."""

@@ -1,0 +1,218 @@
+"""One replica of the live fleet: its client, health, last metrics and roofline profile.
+
+Mutable, owned by `router.fleet.live_fleet.LiveFleet`, which does every probe and scrape and sets
+the fields below; the proxy borrows `client`. `phase` is computed from the flags, in this order:
+
+    removed, or DOWN (consecutive failed probes)     -> DEAD
+    drain() called                                   -> DRAINING
+    good probe + good scrape since (re)starting      -> READY
+    otherwise                                        -> LOADING
+
+The profile is the roofline's for the configured GPU, model and TP, with the KV block size and
+block count of the config, else of `vllm:cache_config_info` (else the roofline's defaults). A
+configured value the replica contradicts is kept (the config wins) and reported in `status()`.
+`state()` reuses its last `ReplicaState` while nothing in it changed, so memoized load estimates
+survive between snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+
+from controlplane.errors import ConfigError
+from controlplane.metrics_scrape import ScrapedMetrics
+from controlplane.roofline.profile import EngineProfile, profile
+from controlplane.types import EngineMetrics, Ledger, Phase, ReplicaState
+from router.config import ReplicaConfig
+from router.fleet.health import Liveness, ReplicaHealth, restart_signal
+
+# the proxy streams many requests at once to one replica: no pool cap, a warm keep-alive set
+# idle connections are dropped after 2 s: servers (uvicorn, so vLLM) close theirs after 5 s, and
+# a request written on a connection the server is closing fails as a reset that cannot be retried
+POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
+
+
+def build_profile(
+    cfg: ReplicaConfig, block_size: int | None, num_gpu_blocks: int | None
+) -> EngineProfile:
+    """The roofline profile of `cfg` with a known block size and count (raises ConfigError)."""
+    return profile(
+        cfg.gpu,
+        cfg.model,
+        tp=cfg.tp,
+        block_size=block_size or 0,
+        num_gpu_blocks_override=num_gpu_blocks or 0,
+    )
+
+
+class LiveReplica:
+    """One configured replica as the live router knows it."""
+
+    def __init__(
+        self,
+        config: ReplicaConfig,
+        *,
+        connect_s: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.config = config
+        self.replica_id = config.id
+        self.url = config.url.rstrip("/")
+        self.profile = build_profile(config, config.block_size, config.num_gpu_blocks)
+        self.client = httpx.AsyncClient(
+            base_url=self.url,
+            timeout=httpx.Timeout(None, connect=connect_s),
+            limits=POOL_LIMITS,
+            transport=transport,
+        )
+        self.health = ReplicaHealth()
+        self.incarnation = 0
+        self.metrics = EngineMetrics()
+        # cumulative engine counters (tokens) of the last scrape
+        self.prefix_hits = 0.0
+        self.prefix_queries = 0.0
+        self.block_size: int | None = config.block_size
+        self.num_gpu_blocks: int | None = config.num_gpu_blocks
+        self.reported: tuple[int | None, int | None] = (None, None)
+        self.model_names: tuple[str, ...] = ()
+        self.draining = False
+        self.removed = False
+        # a good scrape since the replica came up (or came back), and admitted to READY
+        self.scraped = False
+        self.ready = False
+        self.profile_error: str | None = None
+        self.last_error: str | None = None
+        self.scrape_failures = 0
+        # restart detection: (prefix-cache queries, start marker) of the last scrape
+        self.restart_baseline: tuple[float, float | None] | None = None
+        # schedule (clock times): starts of the last probe, results applied, next due
+        self.last_probe_s = -math.inf
+        self.probe_applied_s = -math.inf
+        self.scrape_applied_s = -math.inf
+        self.next_probe_s = -math.inf
+        self.next_scrape_s = -math.inf
+        self.probe_task: asyncio.Task[None] | None = None
+        self.scrape_task: asyncio.Task[None] | None = None
+        self._state: ReplicaState | None = None
+        self._state_key: tuple[object, ...] = ()
+
+    @property
+    def phase(self) -> Phase:
+        if self.removed or self.health.liveness is Liveness.DOWN:
+            return Phase.DEAD
+        if self.draining:
+            return Phase.DRAINING
+        return Phase.READY if self.ready else Phase.LOADING
+
+    @property
+    def ejected_until(self) -> float:
+        """Earliest re-admission time; an ejected replica stays out past it until a probe
+        succeeds (`health.ejected`)."""
+        return self.health.ejected_until
+
+    def routable(self, now: float) -> bool:
+        return self.phase is Phase.READY and not self.health.is_ejected(now)
+
+    def came_back(self, now: float) -> None:
+        """It was DOWN and answers again: a new process, to learn afresh before routing to it
+        (scrapes started before `now` are stale)."""
+        self.ready = self.scraped = False
+        self.restart_baseline = None
+        self.scrape_applied_s = now
+        self.next_scrape_s = now
+
+    def take_scrape(self, scraped: ScrapedMetrics, marker: float | None) -> str | None:
+        """Take one scrape's values; returns why it shows a restart, or None."""
+        base = self.restart_baseline
+        why = None
+        if base is not None:
+            why = restart_signal(base[0], scraped.prefix_cache_queries, base[1], marker)
+            if marker is None:
+                marker = base[1]  # keep the baseline while the marker is missing
+        self.restart_baseline = (scraped.prefix_cache_queries, marker)
+        self.scraped = True
+        self._apply_metrics(scraped)
+        return why
+
+    def _apply_metrics(self, scraped: ScrapedMetrics) -> None:
+        self.metrics = scraped.engine
+        self.prefix_hits = scraped.prefix_cache_hits
+        self.prefix_queries = scraped.prefix_cache_queries
+        self.model_names = scraped.model_names
+        cache = scraped.cache
+        if cache is None:
+            return
+        self.reported = (cache.block_size, cache.num_gpu_blocks)
+        block_size = self.config.block_size or cache.block_size
+        blocks = self.config.num_gpu_blocks or cache.num_gpu_blocks
+        if (block_size, blocks) == (self.block_size, self.num_gpu_blocks):
+            return
+        self.block_size, self.num_gpu_blocks = block_size, blocks
+        try:
+            self.profile = build_profile(self.config, block_size, blocks)
+            self.profile_error = None
+        except ConfigError as exc:
+            self.profile_error = f"profile for block size {block_size}, {blocks} blocks: {exc}"
+            self.ready = False
+
+    def state(self, ledger_view: Ledger, now: float) -> ReplicaState:
+        ejected = self.health.is_ejected(now)
+        phase = self.phase
+        key = (ledger_view, phase, self.incarnation, self.metrics, ejected, self.profile)
+        if self._state is not None and key == self._state_key:
+            return self._state
+        self._state_key = key
+        self._state = ReplicaState(
+            replica_id=self.replica_id,
+            profile=self.profile,
+            phase=phase,
+            incarnation=self.incarnation,
+            metrics=self.metrics,
+            ledger=ledger_view,
+            ejected=ejected,
+        )
+        return self._state
+
+    def status(self, now: float, in_flight: int) -> dict[str, object]:
+        """A JSON-able row for GET /admin/replicas."""
+        h = self.health
+        ejected = h.is_ejected(now)
+        warnings = [
+            f"configured {name} {mine} but the replica reports {theirs}"
+            for name, mine, theirs in (
+                ("block_size", self.config.block_size, self.reported[0]),
+                ("num_gpu_blocks", self.config.num_gpu_blocks, self.reported[1]),
+            )
+            if mine is not None and theirs is not None and mine != theirs
+        ]
+        return {
+            "id": self.replica_id,
+            "url": self.url,
+            "phase": str(self.phase),
+            "routable": self.routable(now),
+            "incarnation": self.incarnation,
+            "liveness": str(h.liveness),
+            "ejected": ejected,
+            "eject_reason": str(h.eject_reason) if ejected and h.eject_reason else None,
+            "ejected_for_s": round(max(0.0, h.ejected_until - now), 3) if ejected else None,
+            "strikes": h.strikes,
+            "failures": h.failures,
+            "probe_failures": h.probe_failures,
+            "scrape_failures": self.scrape_failures,
+            "in_flight": in_flight,
+            "running": self.metrics.running,
+            "waiting": self.metrics.waiting,
+            "kv_usage": self.metrics.kv_usage,
+            "scraped_at_s": self.metrics.scraped_at_s,
+            "prefix_hits": self.prefix_hits,
+            "prefix_queries": self.prefix_queries,
+            "block_size": self.block_size,
+            "num_gpu_blocks": self.profile.num_gpu_blocks,
+            "profile": self.profile.label,
+            "models": list(self.model_names),
+            "last_error": self.profile_error or self.last_error,
+            "warnings": warnings,
+        }

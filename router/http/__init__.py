@@ -1,0 +1,1 @@
+"""The router's HTTP surface: app, handlers, request relay, upstream proxy."""

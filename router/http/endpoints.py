@@ -1,0 +1,162 @@
+"""HTTP handlers: the OpenAI endpoints (`relay.py` does the per-request work), ops, admin.
+
+Admin (Authorization: Bearer <admin key>; 404 while no admin key is configured):
+
+    GET    /admin/replicas, POST /admin/replicas, POST .../{id}/drain, DELETE .../{id}
+    GET    /admin/tenants               every tenant: id, weight, class, limits, number of keys
+    POST   /admin/tenants               add or replace one (a `TenantConfig`: keys as SHA-256
+                                        digests; the old digests of a replaced tenant stop working)
+    DELETE /admin/tenants/{id}          remove one (its requests in flight finish)
+
+Tenant changes apply to this router process; no response ever holds a key, a digest or a salt.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+
+from controlplane.errors import AuthError, ConfigError, NotFoundError, RequestError
+from router.config import ReplicaConfig, RouterSettings, TenantConfig
+from router.fairness.tenants import tenant_of, tenant_view
+from router.http.openai_api import ChatCompletionRequest, CompletionRequest
+from router.http.relay import serve_request
+from router.runtime import RouterRuntime
+
+openai_routes = APIRouter()
+ops_routes = APIRouter()
+admin_routes = APIRouter(prefix="/admin")
+
+
+def _rt(request: Request) -> RouterRuntime:
+    rt: RouterRuntime = request.app.state.runtime
+    return rt
+
+
+@openai_routes.post("/v1/chat/completions", response_model=None)
+async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+    return await serve_request(_rt(request), request, body, "/v1/chat/completions")
+
+
+@openai_routes.post("/v1/completions", response_model=None)
+async def completions(request: Request, body: CompletionRequest) -> Response:
+    return await serve_request(_rt(request), request, body, "/v1/completions")
+
+
+@openai_routes.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    settings: RouterSettings = request.app.state.settings
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": settings.served_model,
+                "object": "model",
+                "created": int(_rt(request).started_wall_s),
+                "owned_by": "controlplane",
+            }
+        ],
+    }
+
+
+@ops_routes.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@ops_routes.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    rt = _rt(request)
+    reasons = rt.degraded_reasons()
+    serving = rt.fleet.ready_count() > 0
+    body = {
+        "status": "ready" if not reasons else "degraded",
+        "reasons": reasons,
+        "ready_replicas": rt.fleet.ready_count(),
+        "index": rt.index.kind,
+    }
+    return JSONResponse(body, status_code=200 if serving else 503)
+
+
+@ops_routes.get("/metrics")
+async def metrics(request: Request) -> Response:
+    rt = _rt(request)
+    rt.refresh_gauges()
+    data, content_type = rt.metrics.render()
+    return Response(data, media_type=content_type)
+
+
+# -- admin ----------------------------------------------------------------------------------------
+def _admin(request: Request) -> RouterRuntime:
+    settings: RouterSettings = request.app.state.settings
+    if settings.admin_key is None:
+        raise NotFoundError("the admin API is disabled (no admin key configured)")
+    given = request.headers.get("authorization", "")
+    want = "Bearer " + settings.admin_key.get_secret_value()
+    if not hmac.compare_digest(given.encode(), want.encode()):
+        raise AuthError("a valid admin key is required (Authorization: Bearer ...)")
+    return _rt(request)
+
+
+@admin_routes.get("/replicas")
+async def list_replicas(request: Request) -> dict[str, Any]:
+    rt = _admin(request)
+    return {"replicas": rt.fleet.status(), "at": time.time()}
+
+
+@admin_routes.post("/replicas", status_code=201)
+async def add_replica(request: Request, replica: ReplicaConfig) -> dict[str, Any]:
+    rt = _admin(request)
+    try:
+        rt.add_replica(replica)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+    return {"added": replica.id}
+
+
+@admin_routes.post("/replicas/{replica_id}/drain")
+async def drain_replica(request: Request, replica_id: str) -> dict[str, Any]:
+    rt = _admin(request)
+    rt.fleet.get(replica_id)  # 404 when unknown
+    rt.fleet.drain(replica_id)
+    return {"draining": replica_id, "in_flight": rt.ledger.view(replica_id).requests}
+
+
+@admin_routes.delete("/replicas/{replica_id}")
+async def remove_replica(request: Request, replica_id: str) -> dict[str, Any]:
+    rt = _admin(request)
+    rt.fleet.get(replica_id)
+    await rt.remove_replica(replica_id)
+    return {"removed": replica_id}
+
+
+# the admin check as a dependency runs before the body is validated: no schema hints without a key
+_ADMIN = [Depends(_admin)]
+
+
+@admin_routes.get("/tenants", dependencies=_ADMIN)
+async def list_tenants(request: Request) -> dict[str, Any]:
+    ring = _rt(request).tenancy
+    return {"open_mode": ring.open_mode, "tenants": [tenant_view(ring, t) for t in ring.tenants()]}
+
+
+@admin_routes.post("/tenants", status_code=201, dependencies=_ADMIN)
+async def put_tenant(request: Request, tenant: TenantConfig) -> dict[str, Any]:
+    ring = _rt(request).tenancy
+    replaced = ring.get(tenant.id) is not None
+    try:
+        stored = ring.put(tenant_of(tenant), tenant.api_key_sha256)
+    except ConfigError as exc:
+        raise RequestError(str(exc)) from None
+    return {"tenant": tenant_view(ring, stored), "replaced": replaced}
+
+
+@admin_routes.delete("/tenants/{tenant_id}", dependencies=_ADMIN)
+async def remove_tenant(request: Request, tenant_id: str) -> dict[str, Any]:
+    if _rt(request).tenancy.remove(tenant_id) is None:
+        raise NotFoundError(f"no tenant {tenant_id!r}")
+    return {"removed": tenant_id}

@@ -1,0 +1,233 @@
+"""The upstream call: send a routed request to its replica and relay the answer.
+
+    attempt(replica):
+      send the request, wait for the response head and the first body chunk within `ttft_s`
+      connect refused/timeout, or a 503 head      -> the replica never accepted it: retry once on
+                                                     another replica if the retry budget allows
+      any other failure before the first chunk    -> 502/504 (the replica may have started it)
+      a 4xx/5xx head                              -> relayed as is (the replica's own error)
+    stream: chunks relayed as they come; a gap over `idle_s` or a broken connection ends the
+            stream with an SSE error event and no `[DONE]`; never a retry after the first byte
+    usage:  the router asks for the final usage chunk (`stream_options.include_usage`) and drops
+            it again when the client did not ask for it
+
+Retry budget: every request deposits `retry_budget` tokens (at most 10 banked, 3 to start);
+a retry spends one, so retries stay a bounded fraction of traffic when a whole fleet fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from controlplane.errors import UpstreamError, UpstreamTimeoutError
+from router.fleet.health import FailureReason, SlowReason
+from router.fleet.live_fleet import LiveFleet
+
+
+@functools.lru_cache(maxsize=1024)
+def _url(base: str, path: str) -> httpx.URL:
+    """An absolute URL object, parsed once per replica and path (httpx parses a string on every
+    request, which costs more than the rest of building it)."""
+    return httpx.URL(base.rstrip("/") + path)
+
+
+class RetryBudget:
+    def __init__(self, ratio: float, *, initial: float = 3.0, cap: float = 10.0) -> None:
+        self.ratio = ratio
+        self.tokens = initial
+        self.cap = cap
+
+    def deposit(self) -> None:
+        self.tokens = min(self.cap, self.tokens + self.ratio)
+
+    def available(self) -> bool:
+        return self.tokens >= 1.0
+
+    def spend(self) -> bool:
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return True
+        return False
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @classmethod
+    def of(cls, data: Any) -> Usage | None:
+        if not isinstance(data, dict):
+            return None
+        u = data.get("usage")
+        if not isinstance(u, dict):
+            return None
+        details = u.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(
+            int(u.get("prompt_tokens") or 0),
+            int(u.get("completion_tokens") or 0),
+            int(cached or 0),
+        )
+
+
+@dataclass(slots=True)
+class Upstream:
+    """An accepted upstream response whose first body chunk has arrived (or that is complete)."""
+
+    replica_id: str
+    response: httpx.Response
+    chunks: AsyncIterator[bytes]
+    first: bytes
+    first_at: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.response.aclose()
+
+
+class NotAccepted(Exception):
+    """The replica never accepted the request (safe to send it elsewhere)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class Proxy:
+    def __init__(self, fleet: LiveFleet, *, ttft_s: float, idle_s: float, retry_budget: float):
+        self.fleet = fleet
+        self.ttft_s = ttft_s
+        self.idle_s = idle_s
+        self.budget = RetryBudget(retry_budget)
+
+    async def open(
+        self, replica_id: str, path: str, payload: bytes, headers: dict[str, str]
+    ) -> Upstream:
+        """Send and wait for the first chunk. Raises NotAccepted, UpstreamError, or returns an
+        error response as an `Upstream` whose status is >= 400 (body read whole)."""
+        rep = self.fleet.get(replica_id)
+        req = rep.client.build_request(
+            "POST", _url(rep.url, path), content=payload, headers=headers
+        )
+        deadline = time.monotonic() + self.ttft_s
+        try:
+            async with asyncio.timeout(self.ttft_s):
+                resp = await rep.client.send(req, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self.fleet.record_failure(replica_id, FailureReason.CONNECT)
+            raise NotAccepted("connect") from exc
+        except TimeoutError:
+            self.fleet.record_slow(replica_id, SlowReason.TTFT)
+            raise UpstreamTimeoutError(f"replica {replica_id} sent no response in time") from None
+        except httpx.HTTPError as exc:
+            self.fleet.record_failure(replica_id, FailureReason.RESET)
+            raise UpstreamError(f"replica {replica_id} failed: {type(exc).__name__}") from None
+        if resp.status_code == 503:
+            await resp.aclose()
+            self.fleet.record_failure(replica_id, FailureReason.STATUS_5XX)
+            raise NotAccepted("503")
+        if resp.status_code >= 400:
+            try:
+                async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
+                    body = await resp.aread()
+            except (TimeoutError, httpx.HTTPError):
+                body = b""
+            finally:
+                await resp.aclose()
+            if resp.status_code >= 500:
+                self.fleet.record_failure(replica_id, FailureReason.STATUS_5XX)
+            return Upstream(replica_id, resp, _empty(), body, time.monotonic())
+        chunks = resp.aiter_raw()
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                first = await anext(chunks, b"")
+        except TimeoutError:
+            await resp.aclose()
+            self.fleet.record_slow(replica_id, SlowReason.TTFT)
+            raise UpstreamTimeoutError(f"replica {replica_id}: no first token in time") from None
+        except httpx.HTTPError as exc:
+            await resp.aclose()
+            self.fleet.record_failure(replica_id, FailureReason.RESET)
+            raise UpstreamError(f"replica {replica_id} failed: {type(exc).__name__}") from None
+        except BaseException:
+            await resp.aclose()
+            raise
+        return Upstream(replica_id, resp, chunks, first, time.monotonic())
+
+    async def rest(self, up: Upstream) -> AsyncIterator[bytes]:
+        """The chunks after the first, each within `idle_s`; raises UpstreamError when the
+        replica breaks the stream or goes silent."""
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_s):
+                    chunk = await anext(up.chunks, None)
+            except TimeoutError:
+                self.fleet.record_slow(up.replica_id, SlowReason.IDLE)
+                raise UpstreamError(f"replica {up.replica_id} went silent mid-stream") from None
+            except httpx.HTTPError as exc:
+                self.fleet.record_failure(up.replica_id, FailureReason.STREAM_DIED)
+                raise UpstreamError(
+                    f"replica {up.replica_id} broke the stream: {type(exc).__name__}"
+                ) from None
+            if chunk is None:
+                return
+            yield chunk
+
+
+async def _empty() -> AsyncIterator[bytes]:
+    return
+    yield b""  # pragma: no cover
+
+
+class SSEFilter:
+    """Splits a byte stream into SSE events; records usage, `[DONE]`; drops the usage-only
+    chunk the client did not ask for."""
+
+    def __init__(self, keep_usage: bool) -> None:
+        self.keep_usage = keep_usage
+        self.buf = b""
+        self.usage: Usage | None = None
+        self.done = False
+        self.content_events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.buf += chunk
+        out: list[bytes] = []
+        while True:
+            cut = self.buf.find(b"\n\n")
+            if cut < 0:
+                break
+            event, self.buf = self.buf[: cut + 2], self.buf[cut + 2 :]
+            if self._keep(event):
+                out.append(event)
+        return b"".join(out)
+
+    def _keep(self, event: bytes) -> bool:
+        data = event.strip()
+        if data == b"data: [DONE]":
+            self.done = True
+            return True
+        if b'"usage":{' in data.replace(b" ", b""):
+            try:
+                obj = json.loads(data.removeprefix(b"data:"))
+            except ValueError:
+                return True
+            usage = Usage.of(obj)
+            if usage is not None:
+                self.usage = usage
+                if not obj.get("choices"):
+                    return self.keep_usage
+        self.content_events += 1
+        return True
