@@ -60,7 +60,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig
-from controlplane.sim.replay import replay
+from controlplane.sim.replay import replay, with_policy
 from controlplane.traces.model import Trace, TraceRequest
 from deploy.redis_local import RedisServer, available
 from deploy.tiny_model import CORPUS
@@ -70,6 +70,7 @@ MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 64
 SCRAPE_S = 0.5  # the live router's health.scrape_interval_s default
 SPECULATIVE_TTL_S = 10.0  # its policy.speculative_ttl_s default
+RETRACT_GRACE_S = 1.0  # its policy.retract_grace_s default
 
 
 def workload(args: argparse.Namespace) -> list[tuple[float, int, str]]:
@@ -272,10 +273,10 @@ def simulate(
         max_model_len=MAX_MODEL_LEN,
     )
     config = FleetConfig(profile=prof, replicas=2)
-    config = replace(
-        config,
-        scrape_interval_s=SCRAPE_S * args.speed,
+    config = with_policy(
+        replace(config, scrape_interval_s=SCRAPE_S * args.speed),
         speculative_ttl_s=SPECULATIVE_TTL_S * args.speed,
+        retract_grace_s=RETRACT_GRACE_S * args.speed,
     )
     policies = ("prefix_affinity", "sglang_cache_aware", "round_robin")
     rep = replay(trace, config, policies)

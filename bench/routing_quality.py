@@ -26,7 +26,7 @@ from common import console, out_dir, print_table, save_figure, write_json
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.plots import plot_replay
-from controlplane.sim.replay import replay
+from controlplane.sim.replay import replay, with_policy
 from controlplane.traces import densest_window, load_trace, scale_rate
 
 SLO_TTFT, SLO_TPOT = 2.0, 0.1
@@ -100,13 +100,13 @@ def ablations() -> dict[str, object]:
     base = FleetConfig(profile=profile("h100", "llama-3.1-8b"), replicas=8)
     variants = {
         "baseline": base,
-        "no_reservations": replace(base, reservations=False),
+        "no_reservations": with_policy(base, reservations=False),
         "4_routers": replace(base, routers=4),
-        "4_routers_no_reservations": replace(base, routers=4, reservations=False),
+        "4_routers_no_reservations": with_policy(replace(base, routers=4), reservations=False),
         "eviction_delay_2s": replace(base, eviction_notice_delay_s=2.0),
-        "no_speculative": replace(base, speculative=False),
-        "no_speculative_eviction_delay_2s": replace(
-            base, speculative=False, eviction_notice_delay_s=2.0
+        "no_speculative": with_policy(base, speculative=False),
+        "no_speculative_eviction_delay_2s": with_policy(
+            replace(base, eviction_notice_delay_s=2.0), speculative=False
         ),
     }
     out: dict[str, object] = {}

@@ -5,16 +5,17 @@
       2. tokens: the configured tokenizer; prompt-token limit
       3. block hashes at the fleet's block size, scoped by model and the request's cache salt
          (the tenant's, a public prefix's, or in open mode the client's: `SaltPolicy`)
-      4. arm = assign_arm(arms, sticky key)           (A/B split; one arm without a split)
+      4. arm = books.arm_for(request)                  (A/B split; one arm without a split)
       5. matches = index.lookup(hashes, routable)     None = unknown: route on load, counted
-      6. decision = arm.policy.choose(request, fleet.snapshot(), matches)   pure
-      7. commit: policy.on_routed, ledger.reserve, index.speculate     BEFORE the request is sent
+      6. decision = books.decide(request, fleet.snapshot(), matches, arm)   pure
+      7. books.commit -> index ops applied (speculate) BEFORE the request is sent
     reroute(routed)    the upstream never accepted it: move the reservation to the next candidate
     first_token(routed)                               ledger -> decoding, retract speculation
     finish(routed, output_tokens)                     exactly once, however the request ended
 
-The policy objects, ledger, load estimate and predictor are the simulator's own; only the
-producers differ (scraped metrics, the shared index, this module's clock).
+Steps 4-7 and the lifecycle are `controlplane.routing.books.RoutingBooks`, the object the
+simulator drives too; this module adds what only a live router has: tokenization, the index's
+I/O (it applies the operations the books return), the fleet's scraped snapshot and metrics.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field, replace
 from typing import Any
 
 from controlplane.errors import (
@@ -35,15 +35,11 @@ from controlplane.errors import (
     RequestError,
 )
 from controlplane.hashing import BlockHasher, scope_key
-from controlplane.routing.ab import Arm, arms_from_config, assign_arm, sticky_key_for
-from controlplane.routing.interfaces import RoutingPolicy
-from controlplane.routing.ledger import RouterLedger
-from controlplane.routing.policies import make_policy
-from controlplane.routing.predictor import OutputLengthPredictor
+from controlplane.routing.books import IndexOp, Retract, Routed, RoutingBooks, Speculate
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import SaltPolicy
 from controlplane.tokenization import PromptTokenizer, TokenizationError, Tokenized
-from controlplane.types import Decision, PrefixMatch, RoutingRequest
+from controlplane.types import PrefixMatch, RoutingRequest
 from router.config import RouterSettings
 from router.fleet.index import RouterIndex
 from router.fleet.live_fleet import LiveFleet
@@ -55,27 +51,6 @@ DEFAULT_BLOCK_SIZE = 16
 MAX_HASHERS = 4096
 
 
-@dataclass(slots=True)
-class Routed:
-    """One request's routing state, from `route` to `finish`."""
-
-    request_id: str
-    arm: Arm
-    policy: RoutingPolicy
-    request: RoutingRequest
-    decision: Decision
-    replica_id: str
-    lookup: str  # hit | miss | unknown
-    started_s: float
-    tried: list[str] = field(default_factory=list)
-    decoding: bool = False
-    finished: bool = False
-
-    @property
-    def predicted_hit_tokens(self) -> int:
-        return self.decision.expected_hit_blocks * self.request.block_size
-
-
 class RouterCore:
     def __init__(
         self,
@@ -85,7 +60,7 @@ class RouterCore:
         tokenizer: PromptTokenizer,
         metrics: RouterMetrics,
         *,
-        ledger: RouterLedger,
+        books: RoutingBooks,
         salts: SaltPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -94,13 +69,9 @@ class RouterCore:
         self.index = index
         self.tokenizer = tokenizer
         self.metrics = metrics
-        self.ledger = ledger
+        self.books = books
+        self.ledger = books.ledger
         self.clock = clock
-        self.arms = arms_from_config(settings.policy)
-        self.policies: dict[str, RoutingPolicy] = {
-            a.name: make_policy(a.policy, **a.params) for a in self.arms
-        }
-        self.predictor = OutputLengthPredictor()
         self.salts = salts or SaltPolicy(b"")
         self._secret = os.environ.get(settings.hash_secret_env, "").encode()
         self._hashers: OrderedDict[tuple[str, int], BlockHasher] = OrderedDict()
@@ -186,7 +157,7 @@ class RouterCore:
             priority=tenant.priority,
             model=body.model,
             max_tokens=cap,
-            predicted_output_tokens=self.predictor.predict(tid, n, cap),
+            predicted_output_tokens=self.books.predict(tid, n, cap),
             session_key=session,
             arrival_s=self.clock(),
             block_size=bs,
@@ -195,11 +166,8 @@ class RouterCore:
 
     # -- 4..7: the decision -----------------------------------------------------------------------
     async def route(self, req: RoutingRequest) -> Routed:
-        started = self.clock()
-        arm = assign_arm(
-            self.arms, sticky_key_for(self.settings.policy, req.tenant, req.session_key)
-        )
-        policy = self.policies[arm.name]
+        books = self.books
+        arm = books.arm_for(req)
         routable = [r.replica_id for r in self.fleet.snapshot().routable()]
         if not routable:
             raise NoReadyReplicaError("no ready replica: every replica is loading, ejected or gone")
@@ -212,89 +180,50 @@ class RouterCore:
             matches = {}
         snap = self.fleet.snapshot()
         t0 = time.perf_counter()
-        decision = policy.choose(req, snap, matches)
+        decision = books.decide(req, snap, matches, arm)
         self.metrics.decision_seconds.labels(arm.policy).observe(time.perf_counter() - t0)
         if decision.replica_id is None:
             raise NoReadyReplicaError("no ready replica for this request")
-        routed = Routed(
-            request_id=req.request_id,
-            arm=arm,
-            policy=policy,
-            request=req,
-            decision=decision,
-            replica_id=decision.replica_id,
-            lookup=outcome,
-            started_s=started,
-        )
-        policy.on_routed(req, decision, snap)
-        await self._commit(routed)
+        routed, ops = books.commit(req, decision, snap, arm, self.clock(), lookup=outcome)
+        await self._apply(ops)
+        self._gauges(routed.replica_id)
         return routed
 
-    async def _commit(self, routed: Routed) -> None:
-        req, rid = routed.request, routed.replica_id
-        routed.tried.append(rid)
-        hit_tokens = min(req.prompt_tokens, routed.predicted_hit_tokens)
-        if self.settings.policy.reservations:
-            self.ledger.reserve(
-                req.request_id,
-                rid,
-                req.prompt_tokens,
-                req.prompt_tokens - hit_tokens,
-                req.predicted_output_tokens,
-                self.clock(),
-            )
-        if self.settings.policy.speculative and req.block_hashes:
-            await self.index.speculate(
-                rid, req.block_hashes, self.settings.policy.speculative_ttl_s
-            )
-        self._gauges(rid)
+    async def _apply(self, ops: list[IndexOp]) -> None:
+        """The books' index operations: speculation before the request is sent (awaited),
+        retraction in the background."""
+        for op in ops:
+            if isinstance(op, Speculate):
+                await self.index.speculate(op.replica_id, op.hashes, op.ttl_s)
+            else:
+                self._spawn(self.index.retract(op.replica_id, op.hashes, op.grace_s))
 
     async def reroute(self, routed: Routed) -> str | None:
         """The upstream never accepted the request: move it to the best untried candidate."""
-        snap = self.fleet.snapshot()
-        routable = {r.replica_id for r in snap.routable()}
-        nxt = next(
-            (r for r in routed.decision.ranked if r not in routed.tried and r in routable), None
-        )
-        if nxt is None:
-            nxt = next((r for r in sorted(routable) if r not in routed.tried), None)
-        if nxt is None:
+        old = routed.replica_id
+        ops = self.books.reroute(routed, self.fleet.snapshot(), self.clock())
+        if ops is None:
             return None
-        self._release(routed)
-        routed.policy.on_finished(routed.request, routed.replica_id)
-        routed.decision = replace(routed.decision, replica_id=nxt, expected_hit_blocks=0)
-        routed.replica_id = nxt
-        routed.policy.on_routed(routed.request, routed.decision, snap)
-        await self._commit(routed)
-        return nxt
+        self._gauges(old)
+        await self._apply(ops)
+        self._gauges(routed.replica_id)
+        return routed.replica_id
 
     # -- lifecycle of the request -----------------------------------------------------------------
     def first_token(self, routed: Routed) -> None:
         if routed.decoding or routed.finished:
             return
-        routed.decoding = True
-        self.ledger.first_token(routed.request_id)
-        routed.policy.on_first_token(routed.request, routed.replica_id)
-        if routed.request.block_hashes:
-            self._spawn(self.index.retract(routed.replica_id, routed.request.block_hashes, 1.0))
+        for op in self.books.first_token(routed):
+            if isinstance(op, Retract):
+                self._spawn(self.index.retract(op.replica_id, op.hashes, op.grace_s))
         self._gauges(routed.replica_id)
 
     def finish(self, routed: Routed, output_tokens: int | None) -> bool:
         """Release everything the request held; True the first time only."""
-        if routed.finished:
+        if not self.books.finish(routed, output_tokens):
             return False
-        routed.finished = True
-        self._release(routed)
-        routed.policy.on_finished(routed.request, routed.replica_id)
-        if output_tokens:
-            self.predictor.observe(
-                routed.request.tenant, routed.request.prompt_tokens, output_tokens
-            )
-        return True
-
-    def _release(self, routed: Routed) -> None:
-        self.ledger.release(routed.request_id)
         self._gauges(routed.replica_id)
+        return True
 
     def _gauges(self, replica_id: str) -> None:
         view = self.ledger.view(replica_id)

@@ -24,10 +24,10 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
-from controlplane.routing.ledger import RouterLedger
+from controlplane.routing.books import Routed, RoutingBooks
 from controlplane.tenancy.quota import QuotaStore
 from router.config import ReplicaConfig, RouterSettings
-from router.core import Routed, RouterCore
+from router.core import RouterCore
 from router.fairness.queue import FairQueue
 from router.fairness.shared import fair_queue_for
 from router.fairness.tenants import key_ring, quota_store_for, salt_policy
@@ -55,7 +55,9 @@ class RouterRuntime:
         self.metrics = metrics or RouterMetrics()
         # the process's global provider unless one is given (tests)
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
-        self.ledger = RouterLedger()
+        # the routing books: policies (one per A/B arm), ledger, predictor (the simulator's too)
+        self.books = RoutingBooks(settings.policy)
+        self.ledger = self.books.ledger
         self.fleet = LiveFleet(settings, ledger=self.ledger, transport=transport)
         self.index: RouterIndex = open_index(settings.redis)
         self.tokenizer = router_tokenizer(settings.tokenizer, self.fleet, settings.served_model)
@@ -67,7 +69,7 @@ class RouterRuntime:
             self.index,
             self.tokenizer,
             self.metrics,
-            ledger=self.ledger,
+            books=self.books,
             salts=salt_policy(settings),
         )
         t = settings.timeouts
@@ -164,9 +166,10 @@ class RouterRuntime:
         m, arm, policy = self.metrics, routed.arm.name, routed.arm.policy
         m.requests.labels(arm, policy, str(routed.decision.reason), status).inc()
         now = time.monotonic()
-        m.e2e.labels(arm, policy).observe(now - routed.started_s)
+        started = routed.request.arrival_s
+        m.e2e.labels(arm, policy).observe(now - started)
         if first_at is not None:
-            m.ttft.labels(arm, policy).observe(first_at - routed.started_s)
+            m.ttft.labels(arm, policy).observe(first_at - started)
         if usage is not None:
             m.prompt_tokens.labels(arm, policy).inc(usage.prompt_tokens)
             m.engine_cached_tokens.labels(arm, policy).inc(usage.cached_tokens)

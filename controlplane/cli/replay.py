@@ -16,6 +16,7 @@ from rich.table import Table
 from controlplane.cli import app
 from controlplane.cli.common import build_profile, build_trace
 from controlplane.errors import ConfigError
+from controlplane.routing.config import PolicyConfig
 from controlplane.routing.policies import POLICIES
 from controlplane.sim.fair_replay import (
     batch_share_for_trace,
@@ -224,8 +225,7 @@ def replay_cmd(
         profile=prof,
         replicas=replicas,
         routers=routers,
-        reservations=not no_reservations,
-        speculative=not no_speculative,
+        policy=PolicyConfig(reservations=not no_reservations, speculative=not no_speculative),
         eviction_notice_delay_s=eviction_notice_delay,
         kv_event_delay_s=kv_event_delay,
         scrape_interval_s=scrape_interval,

@@ -19,6 +19,8 @@ class Section(BaseModel):
 
 
 class ArmConfig(Section):
+    """One arm of an A/B split: a registered policy with parameters and a share of keys."""
+
     name: str = Field(description="Arm name (the `arm` label of every metric and span).")
     policy: str = Field(description="Registered routing policy name.")
     params: dict[str, Any] = Field(default_factory=dict, description="Policy parameters.")
@@ -26,6 +28,8 @@ class ArmConfig(Section):
 
 
 class PolicyConfig(Section):
+    """How a router chooses replicas, and what it books around each choice."""
+
     name: str = Field(default="prefix_affinity", description="Routing policy (no A/B split).")
     params: dict[str, Any] = Field(default_factory=dict, description="Its parameters.")
     arms: list[ArmConfig] = Field(
@@ -36,11 +40,28 @@ class PolicyConfig(Section):
         description="What keeps a client on one arm: its tenant, or the session key "
         "(`user` field / x-session-id header; tenant when absent).",
     )
-    reservations: bool = Field(default=True, description="Track own in-flight work per replica.")
-    speculative: bool = Field(
-        default=True, description="Write speculative index entries at routing time."
+    reservations: bool = Field(
+        default=True,
+        description="Keep this router's in-flight work per replica (the ledger) and count it in "
+        "the load the policy sees; off: scraped metrics only.",
     )
-    speculative_ttl_s: float = Field(default=10.0, gt=0, description="Speculative entry TTL.")
+    speculative: bool = Field(
+        default=True,
+        description="Write a speculative prefix-index entry for the chosen replica at routing "
+        "time, before its KV events can confirm the blocks.",
+    )
+    speculative_ttl_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="Lifetime of a speculative entry whose request never produces a first token "
+        "(one that does is retracted after retract_grace_s).",
+    )
+    retract_grace_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="After a request's first token its speculative entry lives this much longer, "
+        "for the KV events of its blocks to arrive; then the events are the only truth.",
+    )
 
     @model_validator(mode="after")
     def _unique_arms(self) -> PolicyConfig:

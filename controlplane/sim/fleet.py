@@ -23,7 +23,9 @@ rejected or failed); `join` / `leave` change the fleet at once; `busy_time` read
 busy seconds so far (its duty cycle).
 
 Routers only ever see what a live router sees: scraped metrics, their own ledger, index lookups.
-The policy objects are the live router's (controlplane.routing.policies); one instance per router.
+Each router is one `RoutingBooks` (controlplane.routing.books), the object the live router
+drives: its policies (one per A/B arm of `FleetConfig.policy`), ledger and predictor; the index
+operations the books return are applied at once.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from typing import Protocol
 
 from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.roofline.profile import EngineProfile
+from controlplane.routing.books import IndexOp, Routed, RoutingBooks, Speculate
+from controlplane.routing.config import PolicyConfig
 from controlplane.routing.interfaces import RoutingPolicy
-from controlplane.routing.ledger import RouterLedger
 from controlplane.routing.predictor import OutputLengthPredictor
 from controlplane.sim.block_pool import BlockPool
 from controlplane.sim.engine import SimEngine
@@ -50,7 +53,6 @@ from controlplane.sim.results import FleetResult, ReplicaStats, RequestRecord
 from controlplane.sim.tenant_queue import QueueConfig, TenantQueue
 from controlplane.traces.model import Trace, TraceRequest
 from controlplane.types import (
-    Decision,
     DecisionReason,
     EngineMetrics,
     FleetSnapshot,
@@ -87,11 +89,8 @@ class FleetConfig:
     profile: EngineProfile
     replicas: int = 8
     routers: int = 1
-    reservations: bool = True
-    speculative: bool = True
-    speculative_ttl_s: float = 30.0
-    # after a request's first token its speculative entry lives this long past the KV-event delay
-    speculative_grace_s: float = 1.0
+    # the routing policy (or A/B arms) and the books' settings: the live router's `policy:`
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     kv_event_delay_s: float = 0.0
     eviction_notice_delay_s: float = 0.0
     scrape_interval_s: float = 0.5
@@ -123,9 +122,7 @@ class _Replica:
 
 @dataclass(slots=True)
 class _Router:
-    policy: RoutingPolicy
-    ledger: RouterLedger
-    predictor: OutputLengthPredictor
+    books: RoutingBooks
     # replica id -> (what the view was built from, the view); reused while unchanged
     views: dict[str, tuple[tuple[object, ...], ReplicaState]] = field(default_factory=dict)
 
@@ -133,7 +130,12 @@ class _Router:
 class FleetSim:
     """One simulated fleet. Build, optionally schedule joins/leaves, then `run(trace)` once."""
 
-    def __init__(self, config: FleetConfig, policy_factory: Callable[[], RoutingPolicy]) -> None:
+    def __init__(
+        self,
+        config: FleetConfig,
+        policy_factory: Callable[[], RoutingPolicy] | None = None,
+    ) -> None:
+        """`policy_factory`: one policy object per router instead of `config.policy`'s arms."""
         self.config = config
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object, object]] = []
@@ -154,18 +156,11 @@ class FleetSim:
             if self._engine_index is not None
             else InMemoryPrefixIndex(clock=lambda: self.now)
         )
-        self.routers = [
-            _Router(
-                policy_factory(),
-                RouterLedger(),
-                OutputLengthPredictor(oracle=config.oracle_output),
-            )
-            for _ in range(max(1, config.routers))
-        ]
+        self.routers = [_Router(self._books(policy_factory)) for _ in range(max(1, config.routers))]
         for _ in range(config.replicas):
             self._new_replica(Phase.READY, 0.0)
         self.records: list[RequestRecord] = []
-        self._routing: dict[int, tuple[RoutingRequest, _Router, _Replica, Decision]] = {}
+        self._routing: dict[int, tuple[Routed, _Router, _Replica]] = {}
         self.kv_events_applied = 0
         self.queue = TenantQueue.build(config.fairness, config.profile) if config.fairness else None
         self._dispatch_due = False
@@ -175,6 +170,13 @@ class FleetSim:
         self.observer: RequestObserver | None = None
         self.on_tick: Callable[[float], None] | None = None
         self.tick_s = 0.0
+
+    def _books(self, policy_factory: Callable[[], RoutingPolicy] | None) -> RoutingBooks:
+        cfg = self.config
+        predictor = OutputLengthPredictor(oracle=cfg.oracle_output)
+        if policy_factory is not None:
+            return RoutingBooks.single(policy_factory(), cfg.policy, predictor=predictor)
+        return RoutingBooks(cfg.policy, predictor=predictor)
 
     # -- fleet changes ---------------------------------------------------------------------------
     def _new_replica(self, phase: Phase, now: float) -> _Replica:
@@ -316,10 +318,11 @@ class FleetSim:
     # -- handlers --------------------------------------------------------------------------------
     def _snapshot(self, router: _Router, now: float) -> FleetSnapshot:
         live = self.config.scrape_interval_s <= 0
-        use_ledger = self.config.reservations
+        use_ledger = self.config.policy.reservations
         states = []
         views = router.views
-        version_of = router.ledger.version
+        ledger_of = router.books.ledger
+        version_of = ledger_of.version
         for rep in self.replicas:
             if rep.phase is Phase.DEAD:
                 continue
@@ -339,7 +342,7 @@ class FleetSim:
                 if live
                 else rep.metrics
             )
-            ledger = router.ledger.view(rep.rid) if use_ledger else Ledger()
+            ledger = ledger_of.view(rep.rid) if use_ledger else Ledger()
             if live and use_ledger and ledger.unscraped_requests:
                 ledger = _visible(ledger)
             state = ReplicaState(
@@ -387,9 +390,8 @@ class FleetSim:
         rid = record.request_id
         if not self._direct:
             self._sync_all(now)  # the event-fed index needs every event published by now
-        predicted = router.predictor.predict(
-            tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
-        )
+        books = router.books
+        predicted = books.predict(tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens)
         observer = self.observer
         if observer is not None and room is None:
             observer.arrived(rid, tr.prompt_tokens, predicted, now)
@@ -415,7 +417,9 @@ class FleetSim:
             matches = self._engine_index.lookup(rreq.block_hashes, candidates, ids)
         else:
             matches = self.index.lookup(rreq.block_hashes, candidates)
-        decision = router.policy.choose(rreq, snapshot, matches)
+        arm = books.arm_for(rreq)
+        decision = books.decide(rreq, snapshot, matches, arm)
+        record.arm = arm.name
         record.reason = decision.reason.value
         record.expected_hit_blocks = decision.expected_hit_blocks
         if decision.replica_id is None:
@@ -432,14 +436,8 @@ class FleetSim:
             if observer is not None:
                 observer.finished(rid, now)
             return
-        router.policy.on_routed(rreq, decision, snapshot)
-        bs = engine.block_size
-        hit_tokens = min(decision.expected_hit_blocks, (tr.prompt_tokens - 1) // bs) * bs
-        router.ledger.reserve(
-            rid, rep.rid, tr.prompt_tokens, tr.prompt_tokens - hit_tokens, predicted, now
-        )
-        if cfg.speculative and len(ids):
-            self.index.speculate(rep.rid, rreq.block_hashes, cfg.speculative_ttl_s)
+        routed, ops = books.commit(rreq, decision, snapshot, arm, now)
+        self._apply(ops)
         ereq = EngineRequest(
             rid,
             i,
@@ -450,7 +448,7 @@ class FleetSim:
             priority=priority_value(tr.priority),
             tag=record,
         )
-        self._routing[i] = (rreq, router, rep, decision)
+        self._routing[i] = (routed, router, rep)
         if self.queue is not None:
             record.dispatched_s = now
             self.queue.admitted(i, tr.tenant, rep.rid, ereq, reserved)
@@ -467,7 +465,7 @@ class FleetSim:
             record.reason = DecisionReason.NO_HEALTHY_REPLICA.value
             return
         router = self.routers[i % len(self.routers)]
-        predicted = router.predictor.predict(
+        predicted = router.books.predict(
             tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
         )
         self._queued[i] = (record, tr.prompt_tokens + max(1, predicted))
@@ -540,19 +538,14 @@ class FleetSim:
         eng = rep.engine
         eng.complete(now)
         first, finished = eng.drain()
-        cfg = self.config
         observer, queue, routing = self.observer, self.queue, self._routing
         for req in first:
             if observer is not None:
                 observer.first_token(req.request_id, now)
             if queue is not None:
                 queue.first_token(req.uid)
-            rreq, router, _rep, _ = routing[req.uid]
-            router.ledger.first_token(rreq.request_id)
-            router.policy.on_first_token(rreq, rep.rid)
-            if cfg.speculative and rreq.block_hashes:
-                grace = cfg.kv_event_delay_s + cfg.speculative_grace_s
-                self.index.retract(rep.rid, rreq.block_hashes, grace)
+            routed, router, _rep = routing[req.uid]
+            self._apply(router.books.first_token(routed))
         for req in finished:
             self._finish(req, now)
         end = self._start(rep, now)
@@ -568,7 +561,7 @@ class FleetSim:
             self._retire(rep, now)
 
     def _finish(self, req: EngineRequest, now: float, failed: str = "") -> None:
-        rreq, router, rep, _ = self._routing.pop(req.uid)
+        routed, router, _rep = self._routing.pop(req.uid)
         record = req.tag
         assert isinstance(record, RequestRecord)
         record.first_token_s = req.first_token_s
@@ -580,12 +573,18 @@ class FleetSim:
         if self.queue is not None:
             self.queue.finished(req.uid)
             self._dispatch_due = True
-        router.ledger.release(rreq.request_id)
-        router.policy.on_finished(rreq, rep.rid)
-        if not failed:
-            router.predictor.observe(rreq.tenant, rreq.prompt_tokens, req.num_output)
+        router.books.finish(routed, None if failed else req.num_output)
         if self.observer is not None:
-            self.observer.finished(rreq.request_id, now)
+            self.observer.finished(routed.request_id, now)
+
+    def _apply(self, ops: list[IndexOp]) -> None:
+        """The index operations the books asked for, applied at once."""
+        index = self.index
+        for op in ops:
+            if isinstance(op, Speculate):
+                index.speculate(op.replica_id, op.hashes, op.ttl_s)
+            else:
+                index.retract(op.replica_id, op.hashes, op.grace_s)
 
     def _publish(self, rep: _Replica, now: float) -> None:
         events = rep.engine.take_events()
@@ -633,7 +632,7 @@ class FleetSim:
                 self._publish(rep, now)
 
     def _scrape(self, now: float) -> None:
-        ledgers = [router.ledger for router in self.routers]
+        ledgers = [router.books.ledger for router in self.routers]
         for rep in self.replicas:
             eng = rep.engine
             rep.metrics = EngineMetrics(eng.num_running, eng.num_waiting, eng.kv_usage(now), now)

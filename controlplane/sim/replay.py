@@ -8,7 +8,6 @@ policy's hit rate can be read as a fraction of what any policy could reach.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -84,8 +83,8 @@ class ReplayReport:
                 "tp": cfg.profile.tp,
                 "block_size": cfg.profile.resolved_block_size,
                 "num_gpu_blocks": cfg.profile.num_gpu_blocks,
-                "reservations": cfg.reservations,
-                "speculative": cfg.speculative,
+                "reservations": cfg.policy.reservations,
+                "speculative": cfg.policy.speculative,
                 "eviction_notice_delay_s": cfg.eviction_notice_delay_s,
                 "kv_event_delay_s": cfg.kv_event_delay_s,
                 "scrape_interval_s": cfg.scrape_interval_s,
@@ -126,7 +125,7 @@ def replay(
     for name in policies:
         if on_policy_start is not None:
             on_policy_start(name)
-        sim = FleetSim(config, functools.partial(make_policy, name, **params.get(name, {})))
+        sim = FleetSim(with_policy(config, name=name, params=params.get(name, {}), arms=[]))
         report.results[name] = sim.run(trace, block_ids=ids, id_floor=floor, progress=progress)
     report.wall_s = time.perf_counter() - wall0
     return report
@@ -134,3 +133,8 @@ def replay(
 
 def with_fleet(config: FleetConfig, **changes: object) -> FleetConfig:
     return replace(config, **changes)  # type: ignore[arg-type]
+
+
+def with_policy(config: FleetConfig, **changes: object) -> FleetConfig:
+    """`config` with some `PolicyConfig` fields changed (e.g. `reservations=False`)."""
+    return replace(config, policy=config.policy.model_copy(update=changes))

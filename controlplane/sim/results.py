@@ -37,6 +37,8 @@ class RequestRecord:
     finish_s: float = -1.0
     # when a router-side tenant queue sent it on (-1: routed at arrival)
     dispatched_s: float = -1.0
+    # the A/B arm that routed it (the policy's name without a split)
+    arm: str = ""
     # non-empty when the request did not complete: why
     rejected: str = ""
 

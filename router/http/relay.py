@@ -41,10 +41,10 @@ from controlplane.errors import (
     QuotaUnavailableError,
     UpstreamError,
 )
+from controlplane.routing.books import Routed
 from controlplane.tenancy.identity import KeyRejected
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import Reservation, settle_tokens
-from router.core import Routed
 from router.fairness.queue import Ticket
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
 from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage

@@ -36,7 +36,7 @@ def run(sim: FleetSim, trace: Trace) -> FleetResult:
     assert len({r.request_id for r in result.records}) == len(trace)
     assert all(r.finish_s >= 0 or r.rejected for r in result.records)
     assert not sim._routing
-    assert all(len(router.ledger) == 0 for router in sim.routers)
+    assert all(len(router.books.ledger) == 0 for router in sim.routers)
     return result
 
 

@@ -70,7 +70,7 @@ def assert_clean(sim: FleetSim, result: FleetResult, trace: Trace) -> None:
     # every request was finished exactly once: a second finish would have failed to pop it
     assert sim._routing == {}
     for router in sim.routers:
-        assert len(router.ledger) == 0, "leaked reservations"
+        assert len(router.books.ledger) == 0, "leaked reservations"
     with PoolGuard() as guard:
         for rep in sim.replicas:
             assert rep.engine.idle
