@@ -1,7 +1,8 @@
 """Tenant fairness in the simulator: the long-document scenario and the batch flood.
 
 Fleet: 3 x H100 / Llama-3.1-8B, `least_loaded` routing, the router-side tenant queue
-(`controlplane.sim.tenant_queue`) dispatching by the pure ordering in `controlplane.tenancy.vtc`.
+(`controlplane.tenancy.queue`, the router's queue core) dispatching by the pure ordering in
+`controlplane.tenancy.vtc`.
 
 Long documents (`gen:long-documents`, 60 s of arrivals): tenant A sends 16,000/300-token documents
 at 8/s, tenant B 200/200 chats at 150/s; with both present each asks for more than half of the
@@ -40,10 +41,10 @@ step time). Small chunks cost A throughput (each step pays the overhead and the 
 fewer prompt tokens); 1,024-2,048 are slightly faster than 8,192 (a chunk that size rides along with
 the memory-bound decode steps of A's 16k-context documents).
 
-The tenant queue's dispatch gate (`controlplane.sim.tenant_queue`, `prefill_gate`) counts the
+The tenant queue's dispatch gate (`controlplane.tenancy.room`, `prefill_gate`) counts the
 prompt tokens each prefilling request takes per step (at most the replica's threshold), not the
 prompt tokens still to come, and admits one prompt longer than the threshold at a time per
-replica (`QueueConfig.long_prefills`, vLLM's `max_long_partial_prefills`), so chats pass a
+replica (`FairnessConfig.long_prefills`, vLLM's `max_long_partial_prefills`), so chats pass a
 prefilling document and the router adds no queue wait. The diagnostic row runs the chosen
 threshold with the gate's per-step rule only (`long_prefills` 0): documents then prefill side by
 side, every step fills its budget again, and B loses what the threshold won.
@@ -77,7 +78,7 @@ from controlplane.sim.fairness import TenantFairness, tenant_fairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.results import FleetResult
-from controlplane.sim.tenant_queue import QueueConfig
+from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.work import WorkMode, WorkModel
 from controlplane.traces.generators import batch_flood, long_documents
 from controlplane.traces.model import Trace
@@ -92,7 +93,7 @@ DOC_PROMPT, DOC_OUTPUT, CHAT_PROMPT, CHAT_OUTPUT = 16_000, 300, 200, 200
 # choice when A's decoding documents are left out of the step
 THRESHOLD_SWEEP = (240, 256, 512, 1024, 2048)
 # the dispatch-gate diagnostic, at the chosen threshold: the gate without its long-prefill rule
-# (QueueConfig.long_prefills 0), only the per-step prompt tokens within prefill_steps budgets
+# (FairnessConfig.long_prefills 0), only the per-step prompt tokens within prefill_steps budgets
 GATE_DIAGNOSTIC_PREFILL_STEPS = 2.0
 GATE_DIAGNOSTIC_LONG_PREFILLS = 0
 
@@ -107,7 +108,7 @@ def _p(values: list[float], q: float) -> float:
 
 def documents_decoding(chunk: int) -> float:
     """A's documents decoding at once on a replica, by Little's law, when the dispatch gate lets
-    one long prefill run at a time per replica (`QueueConfig.long_prefills` = 1): a document
+    one long prefill run at a time per replica (`FairnessConfig.long_prefills` = 1): a document
     finishes its prefill every DOC_PROMPT / chunk steps and then decodes for DOC_OUTPUT steps."""
     return DOC_OUTPUT * chunk / DOC_PROMPT
 
@@ -184,8 +185,9 @@ def _gate_diagnostic(trace: Trace, config: FleetConfig) -> FleetResult:
     """vtc-roofline with the dispatch gate at GATE_DIAGNOSTIC_PREFILL_STEPS budgets of per-step
     prompt tokens and GATE_DIAGNOSTIC_LONG_PREFILLS (0: any number of long prefills at once)."""
     ids, floor = dense_block_ids(trace, config.profile.resolved_block_size)
-    queue = QueueConfig(
-        mode=WorkMode.VTC_ROOFLINE,
+    queue = FairnessConfig(
+        mode=WorkMode.VTC_ROOFLINE.value,
+        batch_kv_share=1.0,
         prefill_steps=GATE_DIAGNOSTIC_PREFILL_STEPS,
         long_prefills=GATE_DIAGNOSTIC_LONG_PREFILLS,
     )

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -29,6 +29,7 @@ from pydantic_settings import (
 
 from controlplane.errors import ConfigError
 from controlplane.routing.config import PolicyConfig, Section
+from controlplane.tenancy.config import FairnessConfig
 
 CONFIG_FILE_ENV = "CP_CONFIG_FILE"
 
@@ -188,60 +189,6 @@ class HealthConfig(Section):
         "replica admitted this long since its last ejection starts again at eject_s.",
     )
     scrape_timeout_s: float = Field(default=1.0, gt=0, description="One /metrics scrape's timeout.")
-
-
-class FairnessConfig(Section):
-    mode: Literal["off", "request", "vtc", "vtc-roofline"] = Field(
-        default="vtc-roofline",
-        description="How the router's queue orders tenants: off (no queue: every request is "
-        "sent at once), request (FIFO across tenants), vtc (virtual token counters, tokens), "
-        "vtc-roofline (counters in roofline work units: decode cost grows with context).",
-    )
-    max_queued_total: int = Field(
-        default=4096, ge=1, description="Requests waiting in the router at most (503 beyond)."
-    )
-    batch_kv_share: float = Field(
-        default=0.5,
-        ge=0,
-        le=1,
-        description="Share of each replica's KV the batch class may hold (its prompt + "
-        "max_tokens reserved).",
-    )
-    slots_per_replica: int | None = Field(
-        default=None,
-        ge=1,
-        description="Concurrent requests per replica; None: the lowest of the roofline's three "
-        "concurrency ceilings.",
-    )
-    mean_context_tokens: int = Field(
-        default=2048, ge=1, description="Context assumed per sequence for the KV ceiling."
-    )
-    # several routers: the queue's state in Redis (router/fairness/shared.py)
-    shared: bool = Field(
-        default=True,
-        description="With redis.url: counters, backlog and slots shared by every router in "
-        "Redis, so the routers act as one queue; False: each router is fair on its own.",
-    )
-    key_prefix: str = Field(
-        default="cp:fair", description="Redis key prefix of the shared queue (+ served model)."
-    )
-    shared_timeout_ms: float = Field(
-        default=25.0, gt=0, description="Budget of one Redis call; 3 failures in a row: local."
-    )
-    heartbeat_s: float = Field(
-        default=0.25, gt=0, description="A router's call period while nothing waits in it."
-    )
-    router_ttl_s: float = Field(
-        default=1.5,
-        gt=0,
-        description="A router silent this long is dead: its backlog and slots are swept.",
-    )
-
-    @model_validator(mode="after")
-    def _ttl_above_heartbeat(self) -> FairnessConfig:
-        if self.router_ttl_s < 2 * self.heartbeat_s:
-            raise ValueError("fairness.router_ttl_s must be at least 2 x heartbeat_s")
-        return self
 
 
 class DemandConfig(Section):

@@ -26,7 +26,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controlplane.errors import (
     ModelNotFoundError,
@@ -39,12 +39,15 @@ from controlplane.routing.books import IndexOp, Retract, Routed, RoutingBooks, S
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import SaltPolicy
 from controlplane.tokenization import PromptTokenizer, TokenizationError, Tokenized
-from controlplane.types import PrefixMatch, RoutingRequest
+from controlplane.types import FleetSnapshot, PrefixMatch, RoutingRequest
 from router.config import RouterSettings
 from router.fleet.index import RouterIndex
 from router.fleet.live_fleet import LiveFleet
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
 from router.telemetry import RouterMetrics
+
+if TYPE_CHECKING:
+    from router.scope import Outcome, RequestScope
 
 DEFAULT_BLOCK_SIZE = 16
 # hashers kept per (salt scope, block size); open-mode client salts are unbounded
@@ -165,12 +168,16 @@ class RouterCore:
         )
 
     # -- 4..7: the decision -----------------------------------------------------------------------
-    async def route(self, req: RoutingRequest) -> Routed:
+    async def route(self, req: RoutingRequest, *, allowed: frozenset[str] | None = None) -> Routed:
+        """Choose a replica (among `allowed`, the ones the fair queue found room on, when any of
+        them is still routable) and book it."""
         books = self.books
         arm = books.arm_for(req)
         routable = [r.replica_id for r in self.fleet.snapshot().routable()]
         if not routable:
             raise NoReadyReplicaError("no ready replica: every replica is loading, ejected or gone")
+        if allowed:
+            routable = [r for r in routable if r in allowed] or routable
         t0 = time.perf_counter()
         matches: dict[str, PrefixMatch] | None = await self.index.lookup(req.block_hashes, routable)
         outcome = "unknown" if matches is None else ("hit" if matches else "miss")
@@ -179,6 +186,10 @@ class RouterCore:
             self.metrics.fallbacks.labels("index_unknown").inc()
             matches = {}
         snap = self.fleet.snapshot()
+        if allowed:
+            narrowed = tuple(r for r in snap.replicas if r.replica_id in allowed and r.routable)
+            if narrowed:
+                snap = FleetSnapshot(narrowed, snap.now_s)
         t0 = time.perf_counter()
         decision = books.decide(req, snap, matches, arm)
         self.metrics.decision_seconds.labels(arm.policy).observe(time.perf_counter() - t0)
@@ -224,6 +235,22 @@ class RouterCore:
             return False
         self._gauges(routed.replica_id)
         return True
+
+    # -- the request scope's hooks (router/scope.py) ----------------------------------------------
+    def on_admitted(self, scope: RequestScope) -> None:
+        return None
+
+    def on_first_token(self, scope: RequestScope) -> None:
+        if scope.routed is not None:
+            self.first_token(scope.routed)
+
+    def on_tokens(self, scope: RequestScope, n: int) -> None:
+        return None
+
+    def on_end(self, scope: RequestScope, outcome: Outcome) -> None:
+        if scope.routed is not None:
+            usage = scope.usage
+            self.finish(scope.routed, usage.completion_tokens if usage else None)
 
     def _gauges(self, replica_id: str) -> None:
         view = self.ledger.view(replica_id)

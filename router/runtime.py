@@ -10,6 +10,8 @@ proxy    Proxy: upstream calls, retries, streaming deadlines
 quotas   token quotas per tenant (MemoryQuotaStore, or RedisQuotaStore with `redis.url`)
 demand   RouterDemand: the autoscaler's demand signal (cp_demand_*, cp_backlog_*)
 metrics  RouterMetrics (its own registry)
+hooks    what a request's scope (router/scope.py) closes when it ends: quota, fair queue,
+         routing books, demand, telemetry
 """
 
 from __future__ import annotations
@@ -24,18 +26,22 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
+from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.books import Routed, RoutingBooks
+from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import QuotaStore
 from router.config import ReplicaConfig, RouterSettings
 from router.core import RouterCore
 from router.fairness.queue import FairQueue
 from router.fairness.shared import fair_queue_for
-from router.fairness.tenants import key_ring, quota_store_for, salt_policy
+from router.fairness.tenants import QuotaHooks, key_ring, quota_store_for, salt_policy
 from router.fleet.index import RouterIndex, open_index
 from router.fleet.live_fleet import LiveFleet
-from router.http.proxy import Proxy, Usage
+from router.http.proxy import Proxy
+from router.scope import RequestScope, ScopeHooks
 from router.telemetry import RouterMetrics, decision_header_value
 from router.telemetry.demand import RouterDemand
+from router.telemetry.requests import RequestTelemetry
 from router.telemetry.tracing import TRACER_NAME
 from router.tokenizer import router_tokenizer
 
@@ -89,6 +95,14 @@ class RouterRuntime:
         self.quotas.on_settle = lambda o: self.metrics.quota_settlements.labels(str(o)).inc()
         # the demand signal the autoscaler reads from /metrics (router/telemetry/demand.py)
         self.demand = RouterDemand(settings, self.metrics.registry)
+        # what keeps books about each request, closed in this order when its scope ends
+        self.hooks: tuple[ScopeHooks, ...] = (
+            QuotaHooks(self.quotas, settings.quota.unknown_usage),
+            self.fairq,
+            self.core,
+            self.demand,
+            RequestTelemetry(self.metrics),
+        )
         self.fleet.on_restart(self._restarted)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
@@ -153,48 +167,16 @@ class RouterRuntime:
             reasons.append(fair)
         return reasons
 
-    # -- per-request telemetry ----------------------------------------------------------------
-    def record(
-        self,
-        routed: Routed,
-        status: str,
-        usage: Usage | None,
-        first_at: float | None,
-        last_at: float | None,
-    ) -> None:
-        """Metrics and the access log line of one finished request."""
-        m, arm, policy = self.metrics, routed.arm.name, routed.arm.policy
-        m.requests.labels(arm, policy, str(routed.decision.reason), status).inc()
-        now = time.monotonic()
-        started = routed.request.arrival_s
-        m.e2e.labels(arm, policy).observe(now - started)
-        if first_at is not None:
-            m.ttft.labels(arm, policy).observe(first_at - started)
-        if usage is not None:
-            m.prompt_tokens.labels(arm, policy).inc(usage.prompt_tokens)
-            m.engine_cached_tokens.labels(arm, policy).inc(usage.cached_tokens)
-            m.predicted_hit_tokens.labels(arm, policy).inc(
-                min(usage.prompt_tokens, routed.predicted_hit_tokens)
-            )
-            if first_at is not None and last_at is not None and usage.completion_tokens > 1:
-                m.tpot.labels(arm, policy).observe(
-                    (last_at - first_at) / (usage.completion_tokens - 1)
-                )
-        log.info(
-            "request finished",
-            extra={
-                "request_id": routed.request_id,
-                "arm": arm,
-                "policy": policy,
-                "replica": routed.replica_id,
-                "reason": str(routed.decision.reason),
-                "status": status,
-                "lookup": routed.lookup,
-                "prompt_tokens": routed.request.prompt_tokens,
-                "predicted_hit_tokens": routed.predicted_hit_tokens,
-                "retried": len(routed.tried) > 1,
-            },
-        )
+    # -- per-request -------------------------------------------------------------------------------
+    def scope(
+        self, request_id: str, tenant: Tenant, model: str, *, stream: bool, started_s: float
+    ) -> RequestScope:
+        """A new request's scope, closed by every part that keeps books about it."""
+        return RequestScope(request_id, tenant, model, self.hooks, started_s, stream)
+
+    def profile_of(self, routed: Routed) -> EngineProfile:
+        """The roofline profile of the replica a request was routed to."""
+        return self.fleet.get(routed.replica_id).profile
 
     def decision_header(self, routed: Routed) -> dict[str, str]:
         if not self.settings.telemetry.decision_header:

@@ -1,7 +1,7 @@
 """Replay one trace through the router-side tenant queue once per fairness mode, side by side.
 
 The library call behind `controlplane replay --fairness` and `bench/fairness_bench.py`. Every
-mode sees the same trace, fleet and routing policy; the fleet's `fairness` is a `QueueConfig`
+mode sees the same trace, fleet and routing policy; the fleet's `fairness` is a `FairnessConfig`
 with that mode, the tenants' weights and the batch class's KV share. Each result gets a
 `TenantFairness` (controlplane.sim.fairness): work shares in roofline units whatever the mode
 charged, Jain's index, TTFT/TPOT p99 per tenant and per class.
@@ -17,7 +17,6 @@ from the trace by Little's law:
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
@@ -28,9 +27,9 @@ from controlplane.routing.policies import make_policy
 from controlplane.sim.fairness import tenant_fairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
-from controlplane.sim.replay import ReplayReport
-from controlplane.sim.tenant_queue import QueueConfig
+from controlplane.sim.replay import ReplayReport, with_policy
 from controlplane.tenancy.classes import ClassLoad, batch_kv_share, interactive_tpot
+from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.work import WorkMode, WorkModel
 from controlplane.traces.model import Trace
 from controlplane.types import PriorityClass
@@ -124,12 +123,9 @@ def fair_replay(
     for name, mode in zip(names, modes, strict=True):
         if on_start is not None:
             on_start(name)
-        queue = QueueConfig(
-            mode=WorkMode(mode),
-            weights=tuple(sorted(weights.items())),
-            batch_kv_share=batch_kv_share,
-        )
-        sim = FleetSim(replace(config, fairness=queue), functools.partial(make_policy, policy))
+        queue = FairnessConfig(mode=WorkMode(mode).value, batch_kv_share=batch_kv_share)
+        run = replace(config, fairness=queue, tenant_weights=tuple(sorted(weights.items())))
+        sim = FleetSim(with_policy(run, name=policy, params={}, arms=[]))
         result = sim.run(trace, block_ids=ids, id_floor=floor, progress=progress)
         report.results[name] = result
         report.fairness[name] = tenant_fairness(result, measure, weights)

@@ -14,8 +14,10 @@ Everything happens at simulated times popped from a single heap (the injected cl
     TICK      every `tick_s`, when a host set `on_tick` (the autoscaler: autoscaler.hosts.sim)
 
 With `FleetConfig.fairness` set, ARRIVAL only queues the request in the router's per-tenant FIFOs
-(`controlplane.sim.tenant_queue`); it is routed when the fair queue dispatches it: after the
-arrival, and whenever a request finishes or a replica becomes ready, while a replica has room.
+(`controlplane.tenancy.queue.TenantQueueCore`, the live router's queue core); it is routed when
+the queue dispatches it: after the arrival, and whenever a request finishes or a replica becomes
+ready, while a replica has room, and only to the replicas with room. Decode tokens are charged in
+sweeps (every `charge_interval_s` while tenants contend) where the router charges them per chunk.
 
 Hooks for a host (all optional): `observer` hears each request's arrival (with the router's
 predicted output), its first scheduling on a replica, its first token and its end (completed,
@@ -50,7 +52,9 @@ from controlplane.sim.ids import Ids, dense_block_ids
 from controlplane.sim.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from controlplane.sim.request import EngineRequest, Status, priority_value
 from controlplane.sim.results import FleetResult, ReplicaStats, RequestRecord
-from controlplane.sim.tenant_queue import QueueConfig, TenantQueue
+from controlplane.tenancy.config import FairnessConfig
+from controlplane.tenancy.queue import QueueEntry, TenantQueueCore
+from controlplane.tenancy.work import WorkModel
 from controlplane.traces.model import Trace, TraceRequest
 from controlplane.types import (
     DecisionReason,
@@ -59,7 +63,6 @@ from controlplane.types import (
     Ledger,
     Phase,
     PrefixMatch,
-    PriorityClass,
     ReplicaState,
     RoutingRequest,
 )
@@ -97,8 +100,10 @@ class FleetConfig:
     oracle_output: bool = False
     priority_policy: bool = False
     fast_forward: bool = True
-    # the router-side tenant queue (None: every request is routed at arrival)
-    fairness: QueueConfig | None = None
+    # the router-side tenant queue (None, or mode "off": every request is routed at arrival)
+    fairness: FairnessConfig | None = None
+    # tenant -> fair-queue weight (absent tenants weigh 1)
+    tenant_weights: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -160,12 +165,18 @@ class FleetSim:
         for _ in range(config.replicas):
             self._new_replica(Phase.READY, 0.0)
         self.records: list[RequestRecord] = []
-        self._routing: dict[int, tuple[Routed, _Router, _Replica]] = {}
+        self._routing: dict[int, tuple[Routed, _Router, _Replica, EngineRequest]] = {}
         self.kv_events_applied = 0
-        self.queue = TenantQueue.build(config.fairness, config.profile) if config.fairness else None
+        fair = config.fairness
+        self.queue: TenantQueueCore[int] | None = (
+            TenantQueueCore(fair, WorkModel.build(fair.mode, config.profile))
+            if fair is not None and fair.mode != "off"
+            else None
+        )
+        self._weights = dict(config.tenant_weights)
         self._dispatch_due = False
-        # queued request index -> (record, reserved KV tokens)
-        self._queued: dict[int, tuple[RequestRecord, int]] = {}
+        # queued request index -> (record, what the queue knows of it)
+        self._queued: dict[int, tuple[RequestRecord, QueueEntry]] = {}
         # host hooks (see the module docstring)
         self.observer: RequestObserver | None = None
         self.on_tick: Callable[[float], None] | None = None
@@ -381,10 +392,10 @@ class FleetSim:
         record: RequestRecord,
         now: float,
         room: Callable[[ReplicaState], bool] | None = None,
-        reserved: int = 0,
+        entry: QueueEntry | None = None,
     ) -> None:
         """Route one request now (only to replicas `room` accepts, when the queue dispatches it;
-        `reserved`: the KV tokens the queue books for it)."""
+        `entry`: what the queue knows of it)."""
         cfg = self.config
         router = self.routers[i % len(self.routers)]
         rid = record.request_id
@@ -448,10 +459,11 @@ class FleetSim:
             priority=priority_value(tr.priority),
             tag=record,
         )
-        self._routing[i] = (routed, router, rep)
-        if self.queue is not None:
+        self._routing[i] = (routed, router, rep, ereq)
+        if self.queue is not None and entry is not None:
             record.dispatched_s = now
-            self.queue.admitted(i, tr.tenant, rep.rid, ereq, reserved)
+            self.queue.admit(i, entry)
+            self.queue.place(i, rep.rid, engine.profile)
         if engine.add_request(ereq, now) or engine.idle:
             self._restart(rep, now)
 
@@ -468,10 +480,17 @@ class FleetSim:
         predicted = router.books.predict(
             tr.tenant, tr.prompt_tokens, tr.max_tokens, tr.output_tokens
         )
-        self._queued[i] = (record, tr.prompt_tokens + max(1, predicted))
+        entry = QueueEntry(
+            tr.tenant,
+            tr.priority,
+            self._weights.get(tr.tenant, 1.0),
+            tr.prompt_tokens,
+            tr.prompt_tokens + max(1, predicted),
+        )
+        self._queued[i] = (record, entry)
         if self.observer is not None:
             self.observer.arrived(record.request_id, tr.prompt_tokens, predicted, now)
-        self.queue.enqueue(i, tr.tenant, tr.priority, tr.prompt_tokens, now)
+        self.queue.enqueue(i, entry, now)
         self._dispatch_due = True
 
     def _dispatch(self, reqs: Sequence[TraceRequest], block_ids: Sequence[Ids], now: float) -> None:
@@ -483,33 +502,28 @@ class FleetSim:
             return
         if q.sweep_due(now):
             self._sync_all(now)
-            q.sweep(now)
+            routing = self._routing
+            q.produced_many(((k, routing[k][3].num_output) for k in q.inflight), now)
         ready = [r for r in self.replicas if r.phase is Phase.READY]
         q.fleet_kv = sum(r.engine.profile.num_gpu_blocks * r.engine.block_size for r in ready)
+        q.fleet_replicas = len(ready)
 
-        def fits(rep: _Replica, i: int, reserved: int) -> bool:
+        def fits(rep: _Replica, i: int, entry: QueueEntry) -> bool:
             tr = reqs[i]
             return (
                 not rep.blocked and rep.engine.fits(tr.prompt_tokens, max(1, tr.output_tokens))
-            ) and q.room(
-                rep.rid,
-                rep.engine.profile,
-                reserved,
-                tr.priority is PriorityClass.BATCH,
-                tr.tenant,
-                tr.prompt_tokens,
-            )
+            ) and q.room(rep.rid, rep.engine.profile, entry)
 
         while True:
             i = q.next(lambda i: any(fits(rep, i, self._queued[i][1]) for rep in ready), now)
             if i is None:
                 return
-            record, reserved = self._queued.pop(i)
+            record, entry = self._queued.pop(i)
 
-            def room(state: ReplicaState, i: int = i, reserved: int = reserved) -> bool:
-                return fits(self._by_id[state.replica_id], i, reserved)
+            def room(state: ReplicaState, i: int = i, entry: QueueEntry = entry) -> bool:
+                return fits(self._by_id[state.replica_id], i, entry)
 
-            self._route(i, reqs[i], block_ids[i], record, now, room, reserved)
+            self._route(i, reqs[i], block_ids[i], record, now, room, entry)
 
     def _restart(self, rep: _Replica, now: float) -> None:
         """(Re)schedule the replica's step-end event after a cut or when it was idle."""
@@ -544,7 +558,7 @@ class FleetSim:
                 observer.first_token(req.request_id, now)
             if queue is not None:
                 queue.first_token(req.uid)
-            routed, router, _rep = routing[req.uid]
+            routed, router, _rep, _ = routing[req.uid]
             self._apply(router.books.first_token(routed))
         for req in finished:
             self._finish(req, now)
@@ -561,7 +575,7 @@ class FleetSim:
             self._retire(rep, now)
 
     def _finish(self, req: EngineRequest, now: float, failed: str = "") -> None:
-        routed, router, _rep = self._routing.pop(req.uid)
+        routed, router, _rep, _ = self._routing.pop(req.uid)
         record = req.tag
         assert isinstance(record, RequestRecord)
         record.first_token_s = req.first_token_s
@@ -571,7 +585,7 @@ class FleetSim:
         if failed:
             record.rejected = failed
         if self.queue is not None:
-            self.queue.finished(req.uid)
+            self.queue.finished(req.uid, max(0, req.cached_tokens), req.num_output)
             self._dispatch_due = True
         router.books.finish(routed, None if failed else req.num_output)
         if self.observer is not None:
@@ -694,4 +708,4 @@ def _visible(ledger: Ledger) -> Ledger:
     )
 
 
-__all__ = ["FleetConfig", "FleetSim", "QueueConfig", "RequestObserver", "Status"]
+__all__ = ["FairnessConfig", "FleetConfig", "FleetSim", "RequestObserver", "Status"]

@@ -1,27 +1,26 @@
-"""The router's tenant queue: per-tenant FIFOs, dispatched fairly when the fleet has room.
+"""The router's tenant queue: the queue core (`controlplane.tenancy.queue`) with waiters.
 
-    acquire(tenant, request)   admit at once when nothing waits and the fleet has a free slot;
+    acquire(tenant, request)   admit at once when nothing waits and some replica has room;
                                else wait in the tenant's FIFO (bounded: 429 tenant, 503 total)
-    dispatch                   while a slot is free: tenant = vtc.pick(state) (interactive before
-                               batch, then the smallest virtual counter), pop its FIFO head
-    charges (vtc.charge)       prefill work at admission; decode work as tokens stream; cached
-                               prompt tokens refunded at finish from the replica's usage;
-                               every charge divided by the tenant's weight; an arriving tenant
-                               is lifted to the smallest backlogged counter (no banked credit)
-    release(ticket, usage)     exactly once; frees the slot and dispatches the next
+    dispatch                   while the fairest tenant's head (or a bounded overtaker's) has
+                               room on some replica: admit it (charge its prefill)
+    place(ticket, replica)     the replica routing chose, among those with room (`ticket.room`)
+    first_token(ticket)        it leaves its replica's prefill backlog (the gate may open)
+    charge_tokens(ticket, n)   decode work charged as tokens stream
+    release(ticket, usage)     exactly once: the rest of the decode, cached prompt tokens
+                               refunded, the slot freed; dispatches the next
 
-Free slots: the fleet's slots (per routable replica the lowest of the roofline's three
-concurrency ceilings, or a configured number) minus this router's admitted requests minus the
-work the replicas report that this router did not send (other routers', from their metrics:
-`controlplane.routing.load.estimate`). The batch class may also hold at most `batch_kv_share`
-of the fleet's KV tokens (prompt + max_tokens reserved per request), so interactive sequences
-always find room.
+Room is the core's, per replica, the simulator's rules (`controlplane.tenancy.room`): slots at
+the roofline's concurrency ceilings counting this queue's requests and the work the replica
+reports that this router did not send (other routers', `controlplane.routing.load.estimate`),
+headroom for tenants under their share, the batch class's KV share, and the prefill gate, so one
+long prompt cannot stall every other request's first token. An admitted request is booked on the
+replica with the most free slots until routing places it, so admissions in between see it.
 Capacity changes as scrapes arrive, so waiting requests are re-checked on a short tick too.
 
 Work units are `controlplane.tenancy.work.WorkModel`'s, the simulator's own: `vtc` counts
-tokens; `vtc-roofline` counts roofline seconds (a prefill token costs its compute at its
-context, a decode token the step time per sequence at its context, so a long document costs
-what it costs the GPU); `request` charges 1 per request.
+tokens; `vtc-roofline` counts roofline seconds (a long document costs what it costs the GPU);
+`request` charges 1 per request.
 """
 
 from __future__ import annotations
@@ -29,21 +28,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from controlplane.errors import CapacityError, RequestError
-from controlplane.roofline.capacity import (
-    concurrency_ceilings,
-)
 from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.load import estimate
-from controlplane.tenancy import vtc
+from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.model import Tenant
+from controlplane.tenancy.queue import QueueEntry, TenantQueueCore
+from controlplane.tenancy.room import ReplicaBooks
+from controlplane.tenancy.room import slots as room_slots
 from controlplane.tenancy.work import WorkModel
-from controlplane.types import FleetSnapshot, PriorityClass, RoutingRequest
-from router.config import FairnessConfig
+from controlplane.types import FleetSnapshot, ReplicaState, RoutingRequest
+
+if TYPE_CHECKING:
+    from router.scope import Outcome, RequestScope
 
 TICK_S = 0.02
 
@@ -61,14 +62,32 @@ class QueueFullError(CapacityError):
 @dataclass(eq=False)
 class Ticket:
     tenant: Tenant
-    prompt_tokens: int
-    reserved_tokens: int
-    batch: bool
+    entry: QueueEntry
+    # replicas with room when it was admitted (None: any routable replica)
+    room: frozenset[str] | None = None
     decoded: int = 0
     admitted: bool = False
     released: bool = False
     waiter: asyncio.Future[None] | None = field(default=None, repr=False)
     queued_at: float = field(default_factory=time.monotonic, repr=False)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.entry.prompt_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.entry.reserved_tokens
+
+    @property
+    def batch(self) -> bool:
+        return self.entry.batch
+
+
+def entry_for(tenant: Tenant, req: RoutingRequest) -> QueueEntry:
+    """What the queue knows of a request: KV reserved = prompt + predicted output."""
+    reserved = req.prompt_tokens + max(1, req.predicted_output_tokens)
+    return QueueEntry(tenant.tenant_id, tenant.priority, tenant.weight, req.prompt_tokens, reserved)
 
 
 class FairQueue:
@@ -78,94 +97,102 @@ class FairQueue:
         snapshot: Callable[[], FleetSnapshot],
         *,
         on_change: Callable[[str, int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
         self.snapshot = snapshot
         self.on_change = on_change or (lambda tenant, queued: None)
-        self.state = vtc.VtcState({}, frozenset())
-        self.weights: dict[str, float] = {}
-        self.classes: dict[str, PriorityClass] = {}
-        self.fifos: dict[str, deque[Ticket]] = {}
-        self.admitted = 0
-        self.batch_tokens = 0
-        self.queued = 0
-        self._units: WorkModel | None = None
-        self._ceilings: dict[EngineProfile, int] = {}
+        self.clock = clock
+        self.core: TenantQueueCore[Ticket] = TenantQueueCore(cfg, WorkModel.build("vtc"))
+        self._priced = False
         self._ticker: asyncio.Task[None] | None = None
+
+    # -- the core's books, as the router reports them ---------------------------------------------
+    @property
+    def queued(self) -> int:
+        return self.core.queued
+
+    @property
+    def admitted(self) -> int:
+        return len(self.core.inflight)
+
+    @property
+    def batch_tokens(self) -> int:
+        return sum(b.batch_reserved for b in self.core.replicas.values())
 
     # -- capacity ---------------------------------------------------------------------------------
     def units(self, snap: FleetSnapshot) -> WorkModel:
         """The mode's work model, priced on the fleet's profile once one replica is known
         (until then roofline work is counted in tokens; "off" charges like "request")."""
-        if self._units is None or (self._units.cost is None and snap.replicas):
+        if not self._priced and snap.replicas:
             mode = "request" if self.cfg.mode == "off" else self.cfg.mode
-            if mode == "vtc-roofline" and not snap.replicas:
-                mode = "vtc"
-            prof = snap.replicas[0].profile if snap.replicas else None
-            self._units = WorkModel.build(mode, prof)
-        return self._units
+            self.core.work = WorkModel.build(mode, snap.replicas[0].profile)
+            self._priced = True
+        elif not self._priced and self.cfg.mode in ("off", "request"):
+            self.core.work = WorkModel.build("request")
+        return self.core.work
 
     def _replica_slots(self, prof: EngineProfile) -> int:
-        if self.cfg.slots_per_replica is not None:
-            return self.cfg.slots_per_replica
-        n = self._ceilings.get(prof)
-        if n is None:
-            n = self._ceilings[prof] = concurrency_ceilings(
-                prof, self.cfg.mean_context_tokens
-            ).sequences
-        return n
+        """A replica's slots at the configured mean context (the fleet's count for Redis)."""
+        return room_slots(self.core.rules, prof, _EMPTY_BOOKS, 0)
 
-    def _slots(self, snap: FleetSnapshot) -> tuple[float, float]:
-        """(free request slots, free batch KV tokens) right now."""
-        slots = others = kv = 0.0
-        for r in snap.routable():
-            slots += self._replica_slots(r.profile)
-            others += max(0.0, estimate(r).requests - r.ledger.requests)
-            kv += r.kv_capacity_tokens
-        free = slots - others - self.admitted
-        return free, kv * self.cfg.batch_kv_share - self.batch_tokens
+    def _fleet(self, snap: FleetSnapshot) -> list[ReplicaState]:
+        routable = snap.routable()
+        self.core.fleet_kv = float(sum(r.kv_capacity_tokens for r in routable))
+        self.core.fleet_replicas = len(routable)
+        self.units(snap)
+        return list(routable)
 
-    def _fits(self, t: Ticket, free: float, batch_free: float) -> bool:
-        # a batch request larger than the whole batch share still goes when no other batch
-        # request holds KV, so it cannot starve
-        return free >= 1 and (
-            not t.batch or t.reserved_tokens <= batch_free or self.batch_tokens == 0
-        )
+    def _rooms(self, reps: list[ReplicaState], t: Ticket) -> list[ReplicaState]:
+        core = self.core
+        return [r for r in reps if core.room(r.replica_id, r.profile, t.entry, max(0, _others(r)))]
+
+    def _admit(
+        self, t: Ticket, rooms: list[ReplicaState], *, queued: bool, fleet: list[ReplicaState]
+    ) -> None:
+        """Charge its prefill and book it on the replica with the fewest requests among those
+        with room (any routable one when none has: a grant from the shared queue) until routing
+        places it."""
+        core = self.core
+        core.admit(t, t.entry, queued=queued)
+        t.admitted = True
+        if rooms:
+            t.room = frozenset(r.replica_id for r in rooms)
+        candidates = rooms or fleet
+        if candidates:
+            books = core.replicas
+            first = min(
+                candidates,
+                key=lambda r: (
+                    (books[r.replica_id].requests if r.replica_id in books else 0) + _others(r)
+                ),
+            )
+            core.place(t, first.replica_id, first.profile)
+
+    def place(self, t: Ticket, replica_id: str, prof: EngineProfile) -> None:
+        """Routing sent `t` to `replica_id` (its books move there)."""
+        if t.admitted and not t.released and self.cfg.mode != "off":
+            self.core.place(t, replica_id, prof)
 
     # -- the queue --------------------------------------------------------------------------------
     async def acquire(self, tenant: Tenant, req: RoutingRequest) -> Ticket:
-        cap = req.max_tokens or req.predicted_output_tokens
-        t = Ticket(
-            tenant,
-            req.prompt_tokens,
-            req.prompt_tokens + cap,
-            tenant.priority is PriorityClass.BATCH,
-        )
+        t = Ticket(tenant, entry_for(tenant, req))
         if self.cfg.mode == "off":
             t.admitted = True
             return t
-        tid = tenant.tenant_id
-        self.weights[tid] = tenant.weight
-        self.classes[tid] = tenant.priority
-        fifo = self.fifos.setdefault(tid, deque())
-        snap = self.snapshot()
-        if not self.queued and self._admit_now(t, snap):
-            self.state = vtc.on_arrival(self.state, tid)
-            self._admit(t, snap)
-            self.state = vtc.on_idle(self.state, tid)
+        core = self.core
+        fifo = core.fifos.get(tenant.tenant_id)
+        waiting_here = len(fifo) if fifo else 0
+        if not core.queued and self._admit_now(t):
             return t
-        if len(fifo) >= tenant.max_queued:
+        if waiting_here >= tenant.max_queued:
             raise TenantQueueFullError(
-                f"tenant {tid} already has {len(fifo)} requests waiting (its limit)"
+                f"tenant {tenant.tenant_id} already has {waiting_here} requests waiting (its limit)"
             )
-        if self.queued >= self.cfg.max_queued_total:
+        if core.queued >= self.cfg.max_queued_total:
             raise QueueFullError("the router's queue is full; retry later")
-        if not fifo:
-            self.state = vtc.on_arrival(self.state, tid)
         t.waiter = asyncio.get_running_loop().create_future()
-        fifo.append(t)
-        self.queued += 1
-        self.on_change(tid, len(fifo))
+        self.on_change(tenant.tenant_id, core.enqueue(t, t.entry, self.clock()))
         self._ensure_ticker()
         self.dispatch()
         try:
@@ -176,63 +203,58 @@ class FairQueue:
             raise
         return t
 
-    def _forget(self, t: Ticket) -> None:
-        fifo = self.fifos.get(t.tenant.tenant_id)
-        if fifo is not None and t in fifo:
-            fifo.remove(t)
-            self.queued -= 1
-            self.on_change(t.tenant.tenant_id, len(fifo))
-            if not fifo:
-                self.state = vtc.on_idle(self.state, t.tenant.tenant_id)
+    def _admit_now(self, t: Ticket) -> bool:
+        """May `t` go at once (nobody waits here)? Locally: when some replica has room."""
+        if not self._local():
+            return False
+        reps = self._fleet(self.snapshot())
+        rooms = self._rooms(reps, t)
+        if not rooms:
+            return False
+        self._admit(t, rooms, queued=False, fleet=reps)
+        return True
 
-    def _admit(self, t: Ticket, snap: FleetSnapshot) -> None:
-        t.admitted = True
-        self.admitted += 1
-        if t.batch:
-            self.batch_tokens += t.reserved_tokens
-        work = self.units(snap).prefill(t.prompt_tokens)
-        self.state = vtc.charge(self.state, t.tenant.tenant_id, work, t.tenant.weight)
+    def _forget(self, t: Ticket) -> None:
+        if self.core.remove(t, self.clock()):
+            fifo = self.core.fifos.get(t.tenant.tenant_id)
+            self.on_change(t.tenant.tenant_id, len(fifo) if fifo else 0)
 
     def dispatch(self) -> None:
-        """Admit waiting requests while the fleet has room, fairest tenant first."""
-        while self.queued:
-            snap = self.snapshot()
-            free, batch_free = self._slots(snap)
-            if free < 1:
+        """Admit waiting requests while a replica has room for them, fairest tenant first."""
+        core = self.core
+        while core.queued:
+            reps = self._fleet(self.snapshot())
+
+            def fits(t: Ticket, reps: list[ReplicaState] = reps) -> bool:
+                return bool(self._rooms(reps, t))
+
+            t = core.next(fits, self.clock())
+            if t is None:
                 return
-            # tenants whose next request fits (a batch request may wait for batch KV to free)
-            waiting = {
-                tid: self.classes[tid]
-                for tid, f in self.fifos.items()
-                if f and self._fits(f[0], free, batch_free)
-            }
-            for stranded in waiting.keys() - self.state.backlogged:  # never strand a FIFO
-                self.state = vtc.on_arrival(self.state, stranded)
-            picked = vtc.pick(self.state, waiting)
-            if picked is None or picked not in waiting:
-                return
-            tid = picked
-            fifo = self.fifos[tid]
-            t = fifo.popleft()
-            self.queued -= 1
-            self.on_change(tid, len(fifo))
-            if not fifo:
-                self.state = vtc.on_idle(self.state, tid)
+            fifo = core.fifos.get(t.tenant.tenant_id)
+            self.on_change(t.tenant.tenant_id, len(fifo) if fifo else 0)
             assert t.waiter is not None
             if t.waiter.done():  # cancelled, its task not yet resumed: it must not hold a slot
                 continue
-            self._admit(t, snap)
+            self._admit(t, self._rooms(reps, t), queued=True, fleet=reps)
             t.waiter.set_result(None)
 
     # -- charges while it runs, and the end -------------------------------------------------------
-    def on_tokens(self, t: Ticket, n: int) -> None:
+    def first_token(self, t: Ticket) -> None:
+        """Its prefill is done: the replica's prefill gate opens for the next prompt."""
+        if t.admitted and not t.released and self.cfg.mode != "off":
+            self.core.first_token(t)
+            if self.core.queued:
+                self.dispatch()
+
+    def charge_tokens(self, t: Ticket, n: int) -> None:
+        """`n` more tokens streamed: charge their decode work."""
         if n <= 0 or not t.admitted or t.released or self.cfg.mode == "off":
             return
-        units = self._units or self.units(self.snapshot())
-        work = units.decode(n, t.prompt_tokens + t.decoded)
+        before = self.core.state.counter(t.tenant.tenant_id)
         t.decoded += n
-        self.state = vtc.charge(self.state, t.tenant.tenant_id, work, t.tenant.weight)
-        self._charged(t.tenant.tenant_id, work / t.tenant.weight)
+        self.core.produced(t, t.decoded)
+        self._charged(t.tenant.tenant_id, self.core.state.counter(t.tenant.tenant_id) - before)
 
     def release(
         self, t: Ticket, *, cached_tokens: int = 0, output_tokens: int | None = None
@@ -240,25 +262,35 @@ class FairQueue:
         if t.released or not t.admitted or self.cfg.mode == "off":
             t.released = True
             return
-        if output_tokens is not None and output_tokens > t.decoded:  # before `released`
-            self.on_tokens(t, output_tokens - t.decoded)
         t.released = True
-        if cached_tokens > 0:
-            units = self._units or self.units(self.snapshot())
-            refund = units.refund_cached(min(cached_tokens, t.prompt_tokens))
-            if refund > 0:
-                self.state = vtc.refund(self.state, t.tenant.tenant_id, refund, t.tenant.weight)
-                self._charged(t.tenant.tenant_id, -refund / t.tenant.weight)
-        self.admitted -= 1
-        if t.batch:
-            self.batch_tokens -= t.reserved_tokens
+        tid = t.tenant.tenant_id
+        before = self.core.state.counter(tid)
+        self.core.finished(t, cached_tokens, output_tokens)
+        self._charged(tid, self.core.state.counter(tid) - before)
         self.dispatch()
 
-    # -- hooks of a queue shared by several routers (`router/fairness/shared.py`) ------------------
-    def _admit_now(self, t: Ticket, snap: FleetSnapshot) -> bool:
-        """May `t` go at once (nobody waits here)? Locally: when it fits the free slots."""
-        return self._local() and self._fits(t, *self._slots(snap))
+    # -- the request scope's hooks (router/scope.py) ----------------------------------------------
+    def on_admitted(self, scope: RequestScope) -> None:
+        return None
 
+    def on_first_token(self, scope: RequestScope) -> None:
+        if scope.ticket is not None:
+            self.first_token(scope.ticket)
+
+    def on_tokens(self, scope: RequestScope, n: int) -> None:
+        if scope.ticket is not None:
+            self.charge_tokens(scope.ticket, n)
+
+    def on_end(self, scope: RequestScope, outcome: Outcome) -> None:
+        if scope.ticket is not None:
+            u = scope.usage
+            self.release(
+                scope.ticket,
+                cached_tokens=u.cached_tokens if u else 0,
+                output_tokens=u.completion_tokens if u else None,
+            )
+
+    # -- hooks of a queue shared by several routers (`router/fairness/shared.py`) ----------------
     def _local(self) -> bool:
         """Does this queue admit on its own? (A shared one asks Redis while it answers.)"""
         return True
@@ -279,7 +311,7 @@ class FairQueue:
             self._ticker = asyncio.get_running_loop().create_task(self._tick())
 
     async def _tick(self) -> None:
-        while self.queued:
+        while self.core.queued:
             await asyncio.sleep(TICK_S)
             self.dispatch()
 
@@ -288,9 +320,19 @@ class FairQueue:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-        for fifo in self.fifos.values():
+        core = self.core
+        for fifo in core.fifos.values():
             for t in fifo:
                 if t.waiter is not None and not t.waiter.done():
                     t.waiter.set_exception(CapacityError("the router is shutting down"))
             fifo.clear()
-        self.queued = 0
+        core.waiting_entries.clear()
+        core.queued = 0
+
+
+def _others(r: ReplicaState) -> int:
+    """Requests the replica reports that this router did not send."""
+    return int(max(0.0, estimate(r).requests - r.ledger.requests))
+
+
+_EMPTY_BOOKS = ReplicaBooks()

@@ -73,10 +73,10 @@ import os
 import time
 from collections.abc import Callable
 
-from controlplane.tenancy import vtc
+from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.fair_redis import Head, Reply, RouterState, SharedFairStore
-from controlplane.types import FleetSnapshot
-from router.config import FairnessConfig, RouterSettings
+from controlplane.types import FleetSnapshot, ReplicaState
+from router.config import RouterSettings
 from router.fairness.queue import TICK_S, FairQueue, Ticket
 
 log = logging.getLogger(__name__)
@@ -122,22 +122,27 @@ class SharedFairQueue(FairQueue):
     def _local(self) -> bool:
         return not self.shared
 
-    def _admit_now(self, t: Ticket, snap: FleetSnapshot) -> bool:
+    def _admit_now(self, t: Ticket) -> bool:
         if self._local():
-            return super()._admit_now(t, snap)
+            return super()._admit_now(t)
         if t.batch or self._room < 1:
             return False
         self._room -= 1
+        reps = self._fleet(self.snapshot())
+        self._admit(t, self._rooms(reps, t), queued=False, fleet=reps)
         self._kick()  # Redis learns of it (in-flight count, prefill charge) with the next call
         return True
 
     def _charged(self, tenant_id: str, delta: float) -> None:
         self.store.charge(tenant_id, delta)
 
-    def _admit(self, t: Ticket, snap: FleetSnapshot) -> None:
-        """A local admission (fallback): Redis learns its prefill charge with the next call."""
-        super()._admit(t, snap)
-        self.store.charge(t.tenant.tenant_id, self._prefill(t, snap))
+    def _admit(
+        self, t: Ticket, rooms: list[ReplicaState], *, queued: bool, fleet: list[ReplicaState]
+    ) -> None:
+        """A local admission (fast path, fallback): Redis learns its prefill charge with the
+        next call."""
+        super()._admit(t, rooms, queued=queued, fleet=fleet)
+        self.store.charge(t.tenant.tenant_id, self._prefill(t, self.snapshot()))
 
     def _forget(self, t: Ticket) -> None:
         super()._forget(t)
@@ -204,18 +209,20 @@ class SharedFairQueue(FairQueue):
                 f[0].reserved_tokens,
                 int((now - f[0].queued_at) * 1000),
             )
-            for tid, f in self.fifos.items()
+            for tid, f in self.core.fifos.items()
             if f
         }
         slots = kv = 0
+        share = 1.0
         for r in snap.routable():
             slots += self._replica_slots(r.profile)
             kv += r.kv_capacity_tokens
+            share = min(share, self.core.batch_share(r.profile))
         state = RouterState(
             self.admitted,
             self.batch_tokens,
             slots,
-            int(kv * self.cfg.batch_kv_share),
+            int(kv * share),
             tuple(heads.values()),
         )
         return state, heads
@@ -247,17 +254,14 @@ class SharedFairQueue(FairQueue):
                 return
 
     def _grant(self, tid: str, sent: Head | None) -> None:
-        fifo = self.fifos.get(tid)
-        if not fifo:  # the waiter left while the call was in flight: give its charge back
+        core = self.core
+        t = core.pop(tid, self.clock())
+        if t is None:  # the waiter left while the call was in flight: give its charge back
             if sent is not None:
                 self.store.charge(tid, -sent.charge)
             return  # the slot returns with the next call (absolute in-flight count)
         snap = self.snapshot()
-        t = fifo.popleft()
-        self.queued -= 1
-        self.on_change(tid, len(fifo))
-        if not fifo:
-            self.state = vtc.on_idle(self.state, tid)
+        self.on_change(tid, len(core.fifos[tid]))
         assert t.waiter is not None
         if t.waiter.done():  # cancelled, its task not yet resumed: give the grant back
             if sent is not None:
@@ -266,7 +270,9 @@ class SharedFairQueue(FairQueue):
         charge = self._prefill(t, snap)
         if sent is not None and charge != sent.charge:  # a different head than the one sent
             self.store.charge(tid, charge - sent.charge)
-        FairQueue._admit(self, t, snap)  # local bookkeeping; Redis charged the prefill
+        # local bookkeeping (Redis charged the prefill); routing prefers replicas with room
+        reps = self._fleet(snap)
+        FairQueue._admit(self, t, self._rooms(reps, t), queued=True, fleet=reps)
         t.waiter.set_result(None)
 
     async def aclose(self) -> None:

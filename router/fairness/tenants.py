@@ -21,12 +21,13 @@ from typing import Any
 from controlplane.errors import ConfigError
 from controlplane.tenancy.identity import KeyRing
 from controlplane.tenancy.model import Tenant
-from controlplane.tenancy.quota import QuotaStore, WindowKind
+from controlplane.tenancy.quota import QuotaStore, UnknownUsage, WindowKind, settle_tokens
 from controlplane.tenancy.quota_memory import MemoryQuotaStore
 from controlplane.tenancy.quota_redis import RedisQuotaStore
 from controlplane.tenancy.salts import PublicPrefix, SaltPolicy
 from controlplane.types import PriorityClass
 from router.config import RouterSettings, TenantConfig
+from router.scope import NoHooks, Outcome, RequestScope
 
 log = logging.getLogger("controlplane.router")
 
@@ -108,3 +109,27 @@ def quota_store_for(settings: RouterSettings) -> QuotaStore:
         expected_routers=q.expected_routers,
         password=os.environ.get(settings.redis.password_env) or None,
     )
+
+
+class QuotaHooks(NoHooks):
+    """Settles a request's quota reservation when its scope ends (`settle_tokens`): the usage the
+    replica reported; 0 when no replica accepted it or one refused it with a 4xx; else unknown,
+    charged by `quota.unknown_usage` (the whole reservation, or the prompt plus what streamed)."""
+
+    def __init__(self, store: QuotaStore, rule: UnknownUsage) -> None:
+        self.store = store
+        self.rule = rule
+
+    def on_end(self, scope: RequestScope, outcome: Outcome) -> None:
+        res = scope.reservation
+        if res is None:
+            return
+        usage = scope.usage
+        used = settle_tokens(
+            res,
+            reported=None if usage is None else usage.prompt_tokens + usage.completion_tokens,
+            reached_replica=scope.reached and not scope.refused_by_replica,
+            streamed=scope.streamed if scope.stream else None,
+            rule=self.rule,
+        )
+        self.store.settle_soon(res, used)

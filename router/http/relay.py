@@ -4,19 +4,14 @@
                                         holds prompt + max_tokens (429/503 when it cannot)
     open (race with client disconnect)  the first chunk, with at most one transparent retry
     relay                               streamed: chunk by chunk (RelayResponse); else whole
-    close                               exactly once, in every path: upstream response closed,
-                                        reservation released, policy told, metrics recorded
+    close                               the request's scope ends exactly once, in every path
+                                        (router/scope.py: quota settled, fair-queue slot freed,
+                                        routing books released, demand and telemetry told),
+                                        then the upstream response is closed
 
 A client that disconnects while the router waits for the replica cancels the upstream call at
 once (the connection to the replica is closed, which makes vLLM abort the request); during a
 stream, the ASGI server's disconnect cancels the relay, with the same effect.
-
-Quota settlement (`Exchange._charge`, first thing in `close`, so a cancelled close cannot skip it):
-the usage the replica reported (prompt + completion tokens); 0 when no replica accepted the
-request (refused before sending, every replica refused, or a replica's 4xx); otherwise the usage
-is unknown (the client left, the replica died or failed) and `quota.unknown_usage` decides: the
-whole reservation (default; an upper bound, since max_tokens is always set) or the prompt plus the
-content events relayed so far.
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from opentelemetry import trace
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -44,19 +39,18 @@ from controlplane.errors import (
 from controlplane.routing.books import Routed
 from controlplane.tenancy.identity import KeyRejected
 from controlplane.tenancy.model import Tenant
-from controlplane.tenancy.quota import Reservation, settle_tokens
-from router.fairness.queue import Ticket
+from controlplane.tenancy.quota import Reservation
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
 from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage
 from router.runtime import RouterRuntime
+from router.scope import Outcome, RequestScope
 from router.telemetry.logs import request_context
+from router.telemetry.requests import decision_attributes
 from router.telemetry.tracing import (
     extract_context,
     inject_headers,
     operation_for_path,
-    set_decision_attributes,
     set_request_attributes,
-    set_usage_attributes,
     span_name,
 )
 
@@ -131,117 +125,81 @@ def upstream_payload(
 
 
 class Exchange:
-    """One request's relay state; `close` is idempotent and does all the accounting."""
+    """The upstream side of one request's scope: the replica's answer, relayed; `close` ends the
+    scope (every book released, once) and then closes the upstream response."""
 
-    def __init__(self, rt: RouterRuntime, routed: Routed, stream: bool, keep_usage: bool) -> None:
+    def __init__(self, rt: RouterRuntime, scope: RequestScope, keep_usage: bool) -> None:
         self.rt = rt
-        self.routed = routed
-        self.stream = stream
+        self.scope = scope
         self.sse = SSEFilter(keep_usage)
         self.up: Upstream | None = None
-        self.first_at: float | None = None
-        self.last_at: float | None = None
-        self.usage: Usage | None = None
-        self.closed = False
-        self.spans: tuple[Span, ...] = ()
-        self.ticket: Ticket | None = None
-        self.reservation: Reservation | None = None
-        self.reached = False  # a replica may have started the request (False: never accepted)
+
+    @property
+    def routed(self) -> Routed:
+        assert self.scope.routed is not None
+        return self.scope.routed
 
     async def open(self, path: str, payload: bytes, headers: dict[str, str]) -> Upstream:
-        core, proxy = self.rt.core, self.rt.proxy
+        rt, scope = self.rt, self.scope
+        core, proxy = rt.core, rt.proxy
         proxy.budget.deposit()
         while True:
+            routed = self.routed
             try:
-                self.reached = True
-                up = await proxy.open(self.routed.replica_id, path, payload, headers)
+                scope.reached = True
+                up = await proxy.open(routed.replica_id, path, payload, headers)
             except NotAccepted as exc:
-                self.reached = False
-                refused = f"replica {self.routed.replica_id} refused the request ({exc.kind})"
-                if len(self.routed.tried) > 1 or not proxy.budget.available():
+                scope.reached = False
+                refused = f"replica {routed.replica_id} refused the request ({exc.kind})"
+                if len(routed.tried) > 1 or not proxy.budget.available():
                     raise _refusal(exc.kind, refused) from None
-                if await core.reroute(self.routed) is None:
+                if await core.reroute(routed) is None:
                     raise _refusal(exc.kind, f"{refused}; no other replica to retry on") from None
+                if scope.ticket is not None:
+                    rt.fairq.place(scope.ticket, routed.replica_id, rt.profile_of(routed))
                 proxy.budget.spend()
-                self.rt.metrics.retries.labels(exc.kind).inc()
+                rt.metrics.retries.labels(exc.kind).inc()
                 continue
             self.up = up
-            if up.response.status_code < 400:
-                self.first_at = self.last_at = up.first_at
-                core.first_token(self.routed)
-                self.rt.demand.first_token(self.routed.request_id)
+            status = up.response.status_code
+            if status < 400:
+                scope.first_token(up.first_at)
+            elif status < 500:
+                scope.refused_by_replica = True
             return up
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The relayed stream: the first chunk, then the rest; an SSE error event on failure."""
         assert self.up is not None
-        out = self.sse.feed(self.up.first)
+        scope, sse = self.scope, self.sse
+        out = sse.feed(self.up.first)
         if out:
             yield out
         try:
             async for chunk in self.rt.proxy.rest(self.up):
-                self.last_at = time.monotonic()
-                seen = self.sse.content_events
-                out = self.sse.feed(chunk)
-                if self.ticket is not None:  # decode work is charged as it streams
-                    self.rt.fairq.on_tokens(self.ticket, self.sse.content_events - seen)
+                seen = sse.content_events
+                out = sse.feed(chunk)
+                scope.tokens(sse.content_events - seen, time.monotonic())
                 if out:
                     yield out
         except UpstreamError as exc:
-            self.status = "upstream_died"
+            self.failed = True
             yield sse_error_event(502, str(exc), "upstream_died")
             return
-        if not self.sse.done:
-            self.status = "upstream_died"
+        if not sse.done:
+            self.failed = True
             yield sse_error_event(502, "the replica ended the stream early", "upstream_died")
 
-    status: str = "200"
+    failed: bool = False
 
-    async def close(self, status: str | None = None) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if status is not None:
-            self.status = status
-        usage = self.sse.usage if self.stream else self.usage
-        if self.reservation is not None:  # first, before any await: nothing can skip it
-            self.rt.quotas.settle_soon(self.reservation, self._charge(usage))
+    async def close(self, outcome: Outcome, status: str) -> None:
+        """End the scope (first, before any await: nothing can skip it), then the upstream."""
+        scope = self.scope
+        if scope.stream and scope.usage is None:
+            scope.usage = self.sse.usage
+        scope.end(outcome, status)
         if self.up is not None:
             await self.up.aclose()
-        r = self.routed
-        self.rt.core.finish(r, usage.completion_tokens if usage else None)
-        self.rt.demand.finished(r.request_id)
-        if self.ticket is not None:
-            self.rt.fairq.release(
-                self.ticket,
-                cached_tokens=usage.cached_tokens if usage else 0,
-                output_tokens=usage.completion_tokens if usage else None,
-            )
-        self.rt.record(r, self.status, usage, self.first_at, self.last_at)
-        for span in self.spans:
-            _decision_attributes(span, r)  # the replica may have changed on a retry
-            span.set_attribute("http.response.status_code", self.status)
-            if usage is not None:
-                set_usage_attributes(
-                    span,
-                    input_tokens=usage.prompt_tokens,
-                    output_tokens=usage.completion_tokens,
-                    cached_tokens=usage.cached_tokens,
-                )
-            span.end()
-
-    def _charge(self, usage: Usage | None) -> int:
-        """Tokens the quota is charged (`settle_tokens`): the usage the replica reported; 0 when
-        no replica accepted the request or one refused it with a 4xx; else unknown."""
-        assert self.reservation is not None
-        refused = self.up is not None and 400 <= self.up.response.status_code < 500
-        return settle_tokens(
-            self.reservation,
-            reported=None if usage is None else usage.prompt_tokens + usage.completion_tokens,
-            reached_replica=self.reached and not refused,
-            streamed=self.sse.content_events if self.stream else None,
-            rule=self.rt.settings.quota.unknown_usage,
-        )
 
 
 def _refusal(kind: str, message: str) -> Exception:
@@ -258,20 +216,21 @@ class RelayResponse(StreamingResponse):
         self.exchange = exchange
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ex = self.exchange
         try:
             await super().__call__(scope, receive, send)
-        except BaseException:
+        finally:
             # a client that closes as soon as it has `[DONE]` (the OpenAI SDK) was served; Ray
             # Serve then cancels the response task while it sends the body's end
-            if self.exchange.status == "200" and not self.exchange.sse.done:
-                self.exchange.status = "client_closed"
-            raise
-        finally:
-            if not self.exchange.sse.done and self.exchange.status == "200":
-                self.exchange.status = "client_closed"
-            if self.exchange.status == "client_closed" and not self.exchange.closed:
-                self.exchange.rt.metrics.client_disconnects.inc()  # left mid-stream
-            await self.exchange.close()
+            if ex.failed:
+                outcome, status = Outcome.UPSTREAM_DIED, "upstream_died"
+            elif ex.sse.done:
+                outcome, status = Outcome.COMPLETED, "200"
+            else:
+                outcome, status = Outcome.CLIENT_CLOSED, "client_closed"
+                if not ex.scope.ended:
+                    ex.rt.metrics.client_disconnects.inc()  # left mid-stream
+            await ex.close(outcome, status)
 
 
 async def serve_request(
@@ -280,6 +239,7 @@ async def serve_request(
     body: ChatCompletionRequest | CompletionRequest,
     path: str,
 ) -> Response:
+    started = time.monotonic()
     rid = request_id_of(request)
     request.state.request_id = rid
     # every log line of this request's task carries its id (each request runs in its own task)
@@ -291,53 +251,50 @@ async def serve_request(
     )
     set_request_attributes(root, operation=op, model=body.model, max_tokens=body.output_cap)
     root.set_attribute("cp.request_id", rid)
-    reservation: Reservation | None = None
     try:
         tenant = authenticate(rt, request)  # first: an unknown key is refused before any work
-        root.set_attribute("cp.tenant", tenant.tenant_id)
+    except BaseException as exc:
+        root.set_attribute("error.type", type(exc).__name__)
+        root.end()
+        raise
+    root.set_attribute("cp.tenant", tenant.tenant_id)
+    scope = rt.scope(rid, tenant, body.model, stream=bool(body.stream), started_s=started)
+    scope.spans = (root,)
+    try:
         with trace.use_span(root, end_on_exit=False), tracer.start_as_current_span("route") as sp:
             given = body.user or request.headers.get("x-session-id")
             # a session key is the tenant's own: another tenant naming it changes nothing
             session = f"{tenant.tenant_id}:{given}" if given else None
             req = await rt.core.build(body, request_id=rid, tenant=tenant, session=session)
-            reservation = await reserve_quota(rt, tenant, body, req.prompt_tokens)  # 429/503
-            # demand for the autoscaler: admitted work, until its first token / its end
-            rt.demand.arrived(rid, body.model, req.prompt_tokens, req.predicted_output_tokens)
-            # the tenant's turn in the fair queue (waits while the fleet is full)
-            ticket = await race_disconnect(request, rt.fairq.acquire(tenant, req))
-            try:
-                routed = await rt.core.route(req)
-            except BaseException:
-                rt.fairq.release(ticket)
-                raise
+            scope.request = req
+            scope.reservation = await reserve_quota(rt, tenant, body, req.prompt_tokens)
+            scope.admitted()  # demand for the autoscaler: admitted work, queued or not
+            # the tenant's turn in the fair queue (waits while no replica has room)
+            scope.ticket = ticket = await race_disconnect(request, rt.fairq.acquire(tenant, req))
+            routed = await rt.core.route(req, allowed=ticket.room)
+            scope.routed = routed
+            rt.fairq.place(ticket, routed.replica_id, rt.profile_of(routed))
             for span in (sp, root):
-                _decision_attributes(span, routed)
+                decision_attributes(span, scope)
     except ClientGone:
-        rt.quotas.settle_soon(reservation, 0)  # nothing was sent
-        rt.demand.finished(rid)
         root.set_attribute("error.type", "client_closed")
-        root.end()
+        scope.end(Outcome.CLIENT_CLOSED, "499")
         rt.metrics.client_disconnects.inc()
         return Response(status_code=499)
     except BaseException as exc:
-        rt.quotas.settle_soon(reservation, 0)  # nothing was sent
-        rt.demand.finished(rid)
         root.set_attribute("error.type", type(exc).__name__)
-        root.end()
+        scope.end(Outcome.REJECTED, str(getattr(exc, "status_code", 500)))
         raise
     keep_usage = bool(body.stream_options and body.stream_options.include_usage)
-    ex = Exchange(rt, routed, bool(body.stream), keep_usage)
-    ex.ticket = ticket
-    ex.reservation = reservation
-    ex.spans = (
-        tracer.start_span(
-            "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT
-        ),
-        root,
+    ex = Exchange(rt, scope, keep_usage)
+    upstream = tracer.start_span(
+        "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT
     )
-    _decision_attributes(ex.spans[0], routed)
+    scope.spans = (upstream, root)
+    decision_attributes(upstream, scope)
     headers = {"content-type": "application/json", "x-request-id": rid}
-    inject_headers(headers, trace.set_span_in_context(ex.spans[0]))
+    inject_headers(headers, trace.set_span_in_context(upstream))
+    reservation = scope.reservation
     try:
         cap = reservation.max_tokens if reservation is not None else None
         payload = upstream_payload(body, rt, routed.request.cache_salt, cap)
@@ -346,7 +303,7 @@ async def serve_request(
         if reservation is not None:
             out_headers |= reservation.headers()  # x-ratelimit-*-tokens, as OpenAI sends
         if up.response.status_code >= 400:
-            await ex.close(str(up.response.status_code))
+            await ex.close(Outcome.REPLICA_ERROR, str(up.response.status_code))
             return Response(
                 up.first,
                 status_code=up.response.status_code,
@@ -355,18 +312,17 @@ async def serve_request(
             )
         if body.stream:
             return RelayResponse(ex, out_headers)
-        data = await race_disconnect(request, _read_rest(rt, ex, up))
-        ex.usage = _usage_of(data)
-        ex.last_at = time.monotonic()
-        await ex.close("200")
+        data = await race_disconnect(request, _read_rest(rt, up))
+        scope.usage = _usage_of(data)
+        scope.last_at = time.monotonic()
+        await ex.close(Outcome.COMPLETED, "200")
         return Response(data, media_type="application/json", headers=out_headers)
     except ClientGone:
-        await ex.close("client_closed")
+        await ex.close(Outcome.CLIENT_CLOSED, "client_closed")
         rt.metrics.client_disconnects.inc()
         return Response(status_code=499)
     except BaseException as exc:
-        status = str(getattr(exc, "status_code", 500))
-        await ex.close(status)
+        await ex.close(Outcome.UPSTREAM_FAILED, str(getattr(exc, "status_code", 500)))
         raise
 
 
@@ -392,18 +348,7 @@ async def reserve_quota(
         raise
 
 
-def _decision_attributes(span: Span, routed: Routed) -> None:
-    set_decision_attributes(
-        span,
-        arm=routed.arm.name,
-        policy=routed.arm.policy,
-        reason=routed.decision.reason,
-        replica=routed.replica_id,
-        predicted_hit_blocks=routed.decision.expected_hit_blocks,
-    )
-
-
-async def _read_rest(rt: RouterRuntime, ex: Exchange, up: Upstream) -> bytes:
+async def _read_rest(rt: RouterRuntime, up: Upstream) -> bytes:
     parts = [up.first]
     async for chunk in rt.proxy.rest(up):
         parts.append(chunk)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -30,6 +31,9 @@ from autoscaler.capacity import SloCapacity
 from autoscaler.demand import DemandMeter
 from controlplane.roofline.profile import profile
 from router.config import RouterSettings
+
+if TYPE_CHECKING:
+    from router.scope import Outcome, RequestScope
 
 
 def demand_capacity(settings: RouterSettings) -> SloCapacity:
@@ -117,6 +121,22 @@ class RouterDemand:
         meter = self.meters[model]
         meter.first_token(request_id, self.clock())
         self._gauges(model, meter)
+
+    # -- the request scope's hooks (router/scope.py) ----------------------------------------------
+    def on_admitted(self, scope: RequestScope) -> None:
+        req = scope.request
+        if req is not None:
+            predicted = req.predicted_output_tokens
+            self.arrived(scope.request_id, scope.model, req.prompt_tokens, predicted)
+
+    def on_first_token(self, scope: RequestScope) -> None:
+        self.first_token(scope.request_id)
+
+    def on_tokens(self, scope: RequestScope, n: int) -> None:
+        return None
+
+    def on_end(self, scope: RequestScope, outcome: Outcome) -> None:
+        self.finished(scope.request_id)
 
     def finished(self, request_id: str) -> None:
         model = self._model_of.pop(request_id, None)

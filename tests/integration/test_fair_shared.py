@@ -19,10 +19,11 @@ from hypothesis import strategies as st
 from redis_server import RedisServer
 
 from controlplane.roofline.profile import profile
+from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.fair_redis import Head, Reply, RouterState, SharedFairStore, SharedView
 from controlplane.tenancy.model import Tenant
 from controlplane.types import FleetSnapshot, PriorityClass, ReplicaState, RoutingRequest
-from router.config import FairnessConfig, load_settings
+from router.config import load_settings
 from router.fairness.queue import FairQueue, Ticket
 from router.fairness.shared import SharedFairQueue, fair_queue_for, fast_room
 
@@ -40,7 +41,10 @@ def fleet(replicas: int = 1) -> Callable[[], FleetSnapshot]:
 
 
 def req(prompt: int = 100, out: int = 10) -> RoutingRequest:
-    return RoutingRequest(request_id="x", prompt_tokens=prompt, max_tokens=out)
+    """A request predicted to produce `out` tokens (its KV reservation: prompt + out)."""
+    return RoutingRequest(
+        request_id="x", prompt_tokens=prompt, max_tokens=out, predicted_output_tokens=out
+    )
 
 
 Factory = Callable[..., SharedFairQueue]
@@ -390,9 +394,10 @@ async def test_redis_down_falls_back_to_local_then_shares_again(
     assert q.degraded_reason is None
     view = await q.store.view()
     # the state admitted while Redis was down arrived with the first call: 2 in flight, and the
-    # charges (prefill 100 each, 5 decode tokens) of what ran meanwhile
+    # charges (prefill 100 each; of 5 output tokens the first comes from the prefill step, so
+    # 4 decode tokens) of what ran meanwhile
     assert view.inflight == {q.store.router_id: 2}
-    assert view.counters == {"A": pytest.approx(105), "B": pytest.approx(100)}
+    assert view.counters == {"A": pytest.approx(104), "B": pytest.approx(100)}
     for t in (t2, t3):
         q.release(t)
 

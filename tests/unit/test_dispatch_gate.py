@@ -1,4 +1,5 @@
-"""The tenant queue's prefill gate (controlplane.sim.tenant_queue): per-step prompt tokens ahead
+"""The tenant queue's prefill gate (controlplane.tenancy.room, on the queue core the simulator
+and the router drive): per-step prompt tokens ahead
 of a new request's first chunk, each prefilling request at most the replica's
 long_prefill_token_threshold; one long prefill at a time per replica; unchanged at threshold 0."""
 
@@ -12,14 +13,10 @@ import pytest
 from controlplane.roofline import profile
 from controlplane.routing.policies import make_policy
 from controlplane.sim.fleet import FleetConfig, FleetSim
-from controlplane.sim.request import EngineRequest
-from controlplane.sim.tenant_queue import (
-    QueueConfig,
-    TenantQueue,
-    is_long_prefill,
-    prefill_gate,
-    prefill_per_step,
-)
+from controlplane.tenancy.config import FairnessConfig
+from controlplane.tenancy.queue import QueueEntry, TenantQueueCore
+from controlplane.tenancy.room import is_long_prefill, prefill_gate, prefill_per_step
+from controlplane.tenancy.work import WorkModel
 from controlplane.traces.generators import long_documents
 from controlplane.types import PriorityClass
 
@@ -116,8 +113,8 @@ def test_threshold_zero_is_the_whole_prefill_backlog_as_before() -> None:
         assert new is old, (ahead, prompt, steps, long_prefills)
 
 
-def _request(uid: int, prompt: int) -> EngineRequest:
-    return EngineRequest(f"r{uid}", uid, prompt, 10, (), 0.0)
+def _entry(tenant: str, prompt: int, reserved: int) -> QueueEntry:
+    return QueueEntry(tenant, PriorityClass.INTERACTIVE, 1.0, prompt, reserved)
 
 
 @pytest.mark.parametrize(
@@ -128,20 +125,24 @@ def test_the_queue_books_per_step_tokens_and_long_prefills(
     threshold: int, doc_per_step: int, second_doc: bool
 ) -> None:
     prof = H100.with_overrides(long_prefill_token_threshold=threshold)
-    q = TenantQueue.build(QueueConfig(), prof)
-    q.enqueue(0, "A", PriorityClass.INTERACTIVE, 16_000, 0.0)
-    assert q.room("r", prof, 16_300, False, "A", 16_000)
-    q.admitted(0, "A", "r", _request(0, 16_000), 16_300)
-    s = q.slots["r"]
+    q: TenantQueueCore[int] = TenantQueueCore(FairnessConfig(), WorkModel.build("vtc", prof))
+    doc, chat = _entry("A", 16_000, 16_300), _entry("B", 200, 400)
+    q.enqueue(0, doc, 0.0)
+    assert q.room("r", prof, doc)
+    assert q.next(lambda key: True, 0.0) == 0
+    q.admit(0, doc)
+    q.place(0, "r", prof)
+    s = q.replicas["r"]
     assert (s.prefill, s.long_prefill) == (doc_per_step, 1 if threshold else 0)
-    assert q.room("r", prof, 400, False, "B", 200)  # a chat passes either way
-    assert q.room("r", prof, 16_300, False, "A", 16_000) is second_doc
-    q.admitted(1, "B", "r", _request(1, 200), 400)
+    assert q.room("r", prof, chat)  # a chat passes either way
+    assert q.room("r", prof, doc) is second_doc
+    q.admit(1, chat, queued=False)
+    q.place(1, "r", prof)
     assert s.prefill == doc_per_step + 200
     q.first_token(0)
     q.first_token(0)  # once only
     assert (s.prefill, s.long_prefill) == (200, 0)
-    assert q.room("r", prof, 16_300, False, "A", 16_000)
+    assert q.room("r", prof, doc)
     q.finished(0)
     q.finished(1)  # without a first token (failed mid-prefill): leaves the backlog too
     assert (s.requests, s.prefill, s.long_prefill) == (0, 0, 0)
@@ -153,16 +154,16 @@ def test_a_fleet_with_the_threshold_prefills_one_document_at_a_time_per_replica(
     prof = H100.with_overrides(long_prefill_token_threshold=TH)
     trace = long_documents(duration=8, doc_rate=4, chat_rate=20)
     peaks: list[tuple[int, int]] = []
-    admitted = TenantQueue.admitted
+    place = TenantQueueCore.place
 
-    def checked(self: TenantQueue, uid: int, tenant: str, replica: str, *rest: object) -> None:
-        admitted(self, uid, tenant, replica, *rest)  # type: ignore[arg-type]
-        s = self.slots[replica]
+    def checked(self: TenantQueueCore[int], key: int, replica: str, prof: object) -> None:
+        place(self, key, replica, prof)  # type: ignore[arg-type]
+        s = self.replicas[replica]
         peaks.append((s.long_prefill, s.prefill))
 
-    monkeypatch.setattr(TenantQueue, "admitted", checked)
+    monkeypatch.setattr(TenantQueueCore, "place", checked)
     sim = FleetSim(
-        FleetConfig(profile=prof, replicas=2, fairness=QueueConfig()),
+        FleetConfig(profile=prof, replicas=2, fairness=FairnessConfig(batch_kv_share=1.0)),
         functools.partial(make_policy, "least_loaded"),
     )
     result = sim.run(trace)
@@ -171,4 +172,4 @@ def test_a_fleet_with_the_threshold_prefills_one_document_at_a_time_per_replica(
     assert max(p for _, p in peaks) <= 2 * BUDGET
     q = sim.queue
     assert q is not None and not q.inflight
-    assert all((s.requests, s.prefill, s.long_prefill) == (0, 0, 0) for s in q.slots.values())
+    assert all((s.requests, s.prefill, s.long_prefill) == (0, 0, 0) for s in q.replicas.values())

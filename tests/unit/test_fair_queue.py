@@ -11,6 +11,7 @@ import pytest
 
 from controlplane.errors import CapacityError
 from controlplane.roofline.profile import profile
+from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.work import WorkModel
 from controlplane.types import (
@@ -20,7 +21,6 @@ from controlplane.types import (
     ReplicaState,
     RoutingRequest,
 )
-from router.config import FairnessConfig
 from router.fairness.queue import FairQueue, QueueFullError, TenantQueueFullError, Ticket
 
 PROFILE = profile("h100", "llama-3.1-8b")
@@ -153,7 +153,7 @@ async def test_interactive_goes_before_batch() -> None:
 
 async def test_batch_holds_at_most_its_kv_share() -> None:
     kv = PROFILE.num_gpu_blocks * PROFILE.resolved_block_size
-    q = queue(slots=100, batch_kv_share=0.1)
+    q = queue(slots=100, batch_kv_share=0.1, prefill_steps=0)  # no prefill gate here
     size = int(kv * 0.04)
     first = await q.acquire(BATCH, req(prompt=size - 50))
     second = await q.acquire(BATCH, req(prompt=size - 50))

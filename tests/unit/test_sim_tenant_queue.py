@@ -1,5 +1,6 @@
-"""The simulator's router-side tenant queue: shares by work, capacity gating, classes, the batch KV
-cap, exact charges, nothing left behind; the scenario generators, the report and the CLI."""
+"""The simulator's router-side tenant queue (the queue core the router runs too): shares by
+work, capacity gating, classes, the batch KV cap, exact charges, nothing left behind; the
+scenario generators, the report and the CLI."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from controlplane.roofline import profile
 from controlplane.routing.policies import make_policy
 from controlplane.sim.fair_replay import batch_share_for_trace, fair_replay, parse_weights
 from controlplane.sim.fairness import jain_index, tenant_fairness
-from controlplane.sim.fleet import FleetConfig, FleetSim, QueueConfig
+from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.results import FleetResult
-from controlplane.sim.tenant_queue import TenantQueue
+from controlplane.tenancy.config import FairnessConfig
+from controlplane.tenancy.queue import TenantQueueCore
 from controlplane.tenancy.work import WorkMode, WorkModel
 from controlplane.traces import load_trace
 from controlplane.traces.generators import batch_flood, long_documents, multi_tenant
@@ -29,13 +31,24 @@ ROOF = WorkModel.build("vtc-roofline", H100)
 DOCS = long_documents(duration=25, doc_rate=4, chat_rate=80)
 
 
+def fair(**changes: object) -> FairnessConfig:
+    """The queue's settings as the simulator's tests run them (no batch cap unless given)."""
+    return FairnessConfig(**{"batch_kv_share": 1.0, **changes})  # type: ignore[arg-type]
+
+
 def run(
-    trace: object, queue: QueueConfig | None, replicas: int = 2
+    trace: object,
+    queue: FairnessConfig | None,
+    replicas: int = 2,
+    weights: dict[str, float] | None = None,
 ) -> tuple[FleetSim, FleetResult]:
-    sim = FleetSim(
-        FleetConfig(profile=H100, replicas=replicas, fairness=queue),
-        functools.partial(make_policy, "least_loaded"),
+    cfg = FleetConfig(
+        profile=H100,
+        replicas=replicas,
+        fairness=queue,
+        tenant_weights=tuple((weights or {}).items()),
     )
+    sim = FleetSim(cfg, functools.partial(make_policy, "least_loaded"))
     return sim, sim.run(trace)  # type: ignore[arg-type]
 
 
@@ -43,10 +56,10 @@ def assert_drained(sim: FleetSim, result: FleetResult) -> None:
     q = sim.queue
     assert q is not None
     assert all(r.completed for r in result.records), {r.rejected for r in result.records}
-    assert q.queued == 0 and not q.inflight and not q.prompts
+    assert q.queued == 0 and not q.inflight and not q.waiting_entries
     assert all(
         (s.requests, s.reserved, s.batch_reserved, s.prefill) == (0, 0, 0, 0)
-        for s in q.slots.values()
+        for s in q.replicas.values()
     )
     assert not any(q.held.values())
     assert not q.state.backlogged
@@ -63,7 +76,7 @@ def assert_drained(sim: FleetSim, result: FleetResult) -> None:
 def test_long_documents_share_the_gpu_by_weighted_work(
     mode: WorkMode, weights: dict[str, float], a_share: tuple[float, float]
 ) -> None:
-    sim, result = run(DOCS, QueueConfig(mode=mode, weights=tuple(weights.items())))
+    sim, result = run(DOCS, fair(mode=mode.value), weights=weights)
     f = tenant_fairness(result, ROOF, weights)
     assert f.window_kind == "contended"
     lo, hi = a_share
@@ -74,7 +87,7 @@ def test_long_documents_share_the_gpu_by_weighted_work(
 
 def test_the_queue_never_exceeds_a_replicas_slots() -> None:
     slots = 6
-    sim, result = run(DOCS, QueueConfig(slots_per_replica=slots))
+    sim, result = run(DOCS, fair(slots_per_replica=slots))
     edges: dict[str, list[tuple[float, int]]] = {}
     for r in result.records:
         assert r.dispatched_s >= r.arrival_s
@@ -90,7 +103,7 @@ def test_the_queue_never_exceeds_a_replicas_slots() -> None:
 
 def test_charges_equal_the_work_done_with_cached_prompts_refunded() -> None:
     trace = multi_tenant(tenants="rag,chat", duration=10)
-    sim, result = run(trace, QueueConfig())
+    sim, result = run(trace, fair())
     q = sim.queue
     assert q is not None
     assert any(r.cached_tokens for r in result.records)
@@ -107,7 +120,7 @@ FLOOD = batch_flood(duration=12, chat_rate=6, batch_rate=30)
 
 
 def test_interactive_requests_are_never_passed_by_batch_ones() -> None:
-    sim, result = run(FLOOD, QueueConfig(slots_per_replica=8))
+    sim, result = run(FLOOD, fair(slots_per_replica=8))
     inter = [r for r in result.records if r.priority == "interactive"]
     for b in (r for r in result.records if r.priority == "batch"):
         waiting = [r for r in inter if r.arrival_s < b.dispatched_s < r.dispatched_s]
@@ -119,24 +132,24 @@ def test_the_batch_class_holds_at_most_its_kv_share(monkeypatch: pytest.MonkeyPa
     share = 0.05
     kv = H100.num_gpu_blocks * H100.resolved_block_size
     seen: list[int] = []
-    admitted = TenantQueue.admitted
+    place = TenantQueueCore.place
 
-    def checked(self: TenantQueue, uid: int, tenant: str, replica: str, *rest: object) -> None:
-        admitted(self, uid, tenant, replica, *rest)  # type: ignore[arg-type]
-        s = self.slots[replica]
-        flights = [f for f in self.inflight.values() if f.replica == replica and f.batch]
+    def checked(self: TenantQueueCore[int], key: int, replica: str, prof: object) -> None:
+        place(self, key, replica, prof)  # type: ignore[arg-type]
+        s = self.replicas[replica]
+        flights = [f for f in self.inflight.values() if f.replica == replica and f.entry.batch]
         seen.append(s.batch_reserved)
         assert s.batch_reserved <= share * kv or len(flights) == 1
 
-    monkeypatch.setattr(TenantQueue, "admitted", checked)
-    sim, result = run(FLOOD, QueueConfig(batch_kv_share=share))
+    monkeypatch.setattr(TenantQueueCore, "place", checked)
+    sim, result = run(FLOOD, fair(batch_kv_share=share))
     assert max(seen) > share * kv / 2  # the cap was reached, not merely respected
     assert_drained(sim, result)
 
 
 def test_a_replica_dying_frees_its_slots_and_the_queue_moves_on() -> None:
     sim = FleetSim(
-        FleetConfig(profile=H100, replicas=2, fairness=QueueConfig(slots_per_replica=6)),
+        FleetConfig(profile=H100, replicas=2, fairness=fair(slots_per_replica=6)),
         functools.partial(make_policy, "least_loaded"),
     )
     sim.schedule_leave(4.0, "replica-0", drain=False)
@@ -146,7 +159,7 @@ def test_a_replica_dying_frees_its_slots_and_the_queue_moves_on() -> None:
     assert all(r.completed for r in result.records if not r.rejected)
     q = sim.queue
     assert q is not None and q.queued == 0 and not q.inflight
-    assert all((s.requests, s.reserved, s.prefill) == (0, 0, 0) for s in q.slots.values())
+    assert all((s.requests, s.reserved, s.prefill) == (0, 0, 0) for s in q.replicas.values())
 
 
 def test_without_a_queue_nothing_changes() -> None:
