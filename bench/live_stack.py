@@ -13,7 +13,8 @@
   router's share. Throughput is computed from the scheduled times.
 * `cpu_s(pids)`: CPU seconds (user + system) used so far by processes and their process groups.
 
-Every process is started in its own session and stopped by its process-group id on exit.
+Every process is started in its own session and stopped by its process-group id on exit
+(`deploy.processes`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -38,7 +38,8 @@ from typing import Any
 import httpx
 import yaml
 
-from deploy.local_fleet import FleetSpec, LocalFleet, free_ports, group_pids
+from deploy.local_fleet import FleetSpec, LocalFleet, free_ports
+from deploy.processes import Child, group_pids, spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tiny-llama"
@@ -86,7 +87,7 @@ class _Process:
     name = "server"
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self.port = free_ports(1)[0]
         self._tmp = Path(tempfile.mkdtemp(prefix=f"bench-{self.name}-"))
         self.log_path = self._tmp / "server.log"
@@ -104,18 +105,11 @@ class _Process:
     def start(self, timeout_s: float = 60.0) -> None:
         argv = self.argv()
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                argv,
-                cwd=ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            self.child = spawn(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         with httpx.Client(timeout=2.0) as client:
             while True:
-                if self.proc.poll() is not None:
+                if self.child.poll() is not None:
                     raise RuntimeError(f"{self.name} exited:\n{self.log_tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if self.ready(client):
@@ -131,17 +125,9 @@ class _Process:
             return ""
 
     def stop(self) -> None:
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        self.proc = None
+        if self.child is not None:
+            self.child.stop(10.0)
+        self.child = None
         shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> _Process:

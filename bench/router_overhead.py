@@ -281,12 +281,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "vllm_router_round_robin": [rr.url],
             "vllm_router_cache_aware": [ca.url],
         }
-        assert ours.proc is not None and rr.proc is not None and ca.proc is not None
+        assert ours.child is not None and rr.child is not None and ca.child is not None
         pgids = {
             "fleet": fleet.pgids(),
-            "router": [ours.proc.pid],
-            "vllm_router_round_robin": [rr.proc.pid],
-            "vllm_router_cache_aware": [ca.proc.pid],
+            "router": [ours.child.pgid],
+            "vllm_router_round_robin": [rr.child.pgid],
+            "vllm_router_cache_aware": [ca.child.pgid],
         }
         data = asyncio.run(measure(args, urls, pgids))
     finally:

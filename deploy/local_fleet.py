@@ -1,11 +1,11 @@
 """Start a local fleet of N replicas as subprocesses: the simulator or real vLLM (CPU build).
 
-Each replica runs in its own process group (its own session), so one `killpg` reaches the
-server and everything it spawned (vLLM's EngineCore and worker processes). Stopping sends
-SIGTERM to every group, waits up to `stop_grace_s` for the groups to empty, then SIGKILLs what is
-left. Stopping happens on leaving the context manager, on Ctrl-C / SIGTERM in the CLI, at
-interpreter exit (atexit), and, when started from the main thread, the kernel sends the server
-SIGTERM if the launcher dies (PR_SET_PDEATHSIG).
+Each replica runs in its own process group (its own session; `deploy.processes`), so one
+`killpg` reaches the server and everything it spawned (vLLM's EngineCore and worker processes).
+Stopping sends SIGTERM to every group, waits up to `stop_grace_s` for the groups to empty, then
+SIGKILLs what is left. Stopping happens on leaving the context manager, on Ctrl-C / SIGTERM in
+the CLI, at interpreter exit (atexit), and, when started from the main thread, the kernel sends
+the server SIGTERM if the launcher dies (PR_SET_PDEATHSIG).
 
 Ports: replica i serves HTTP on ``base_port + i``; its KV-event PUB socket binds
 ``tcp://*:<event_base_port + 2i>`` and its replay ROUTER ``tcp://*:<event_base_port + 2i + 1>``
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -44,6 +43,7 @@ from typing import Literal
 import httpx
 
 from controlplane.errors import ConfigError, ControlPlaneError
+from deploy.processes import Child, spawn
 
 Engine = Literal["sim", "vllm"]
 ENGINES: tuple[Engine, ...] = ("sim", "vllm")
@@ -282,47 +282,7 @@ def layout(spec: FleetSpec, model_dir: Path) -> list[ReplicaLaunch]:
 
 
 # --------------------------------------------------------------------------------------------
-# processes
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def group_alive(pgid: int) -> bool:
-    """True while any process is left in process group `pgid`."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes in process group `pgid` (Linux /proc)."""
-    pids: list[int] = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # fields after the parenthesised command: state ppid pgrp ...
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry.name))
-    return pids
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
+# replicas
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -342,7 +302,7 @@ class Replica:
     argv: list[str]
     env: dict[str, str]
     log_path: Path
-    proc: subprocess.Popen[bytes] | None = None
+    child: Child | None = None
     started_at: float = 0.0
     healthy_at: float | None = None
     stopping: bool = False
@@ -357,14 +317,14 @@ class Replica:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self.child.pid if self.child else None
 
     @property
     def startup_s(self) -> float | None:
         return None if self.healthy_at is None else self.healthy_at - self.started_at
 
     def exited(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
+        return None if self.child is None else self.child.poll()
 
     def log_tail(self, lines: int = 30) -> str:
         return _tail(self.log_path, lines)
@@ -458,19 +418,16 @@ class LocalFleet:
             raise
 
     def _spawn(self, rep: Replica, mode: str = "wb") -> None:
-        main_thread = threading.current_thread() is threading.main_thread()
         with rep.log_path.open(mode) as logf:
             logf.write(f"$ {' '.join(rep.argv)}\n".encode())
             logf.flush()
-            rep.proc = subprocess.Popen(
+            rep.child = spawn(
                 rep.argv,
                 env=rep.env,
                 cwd=self.log_dir,
-                stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_parent if main_thread else None,
+                die_with_parent=True,
             )
         rep.started_at = time.monotonic()
         rep.healthy_at = None
@@ -483,10 +440,9 @@ class LocalFleet:
         if self._stopped or not self.replicas:
             raise FleetError("the fleet is not running")
         rep = self.replicas[index]
-        if rep.proc is not None:
+        if rep.child is not None:
             rep.stopping = True
-            _signal_group(rep.proc.pid, signal.SIGTERM)
-            self._reap(rep, time.monotonic() + self.spec.stop_grace_s)
+            rep.child.stop(self.spec.stop_grace_s, self._on_kill(rep))
         self._spawn(rep, mode="ab")
         self.wait_healthy(timeout_s)
         return rep
@@ -554,14 +510,13 @@ class LocalFleet:
             self._stopped = True
         with contextlib.suppress(Exception):
             atexit.unregister(self.stop)
-        started = [r for r in self.replicas if r.proc is not None]
-        for rep in started:
+        started = [(r, r.child) for r in self.replicas if r.child is not None]
+        for rep, child in started:
             rep.stopping = True
-            assert rep.proc is not None
-            _signal_group(rep.proc.pid, signal.SIGTERM)
+            child.terminate()
         deadline = time.monotonic() + self.spec.stop_grace_s
-        for rep in started:
-            self._reap(rep, deadline)
+        for rep, child in started:
+            child.finish(deadline, self._on_kill(rep))
         if started:
             self._log("fleet stopped")
         if (
@@ -571,20 +526,8 @@ class LocalFleet:
         ):
             shutil.rmtree(self.log_dir, ignore_errors=True)
 
-    def _reap(self, rep: Replica, deadline: float) -> None:
-        """Wait for a signalled replica's group to exit; SIGKILL it at `deadline`."""
-        assert rep.proc is not None
-        pgid = rep.proc.pid
-        while time.monotonic() < deadline and (rep.proc.poll() is None or group_alive(pgid)):
-            time.sleep(0.1)
-        if rep.proc.poll() is None or group_alive(pgid):
-            self._log(f"{rep.name}: still running after SIGTERM, sending SIGKILL")
-            _signal_group(pgid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            rep.proc.wait(timeout=10)
-        end = time.monotonic() + 5
-        while group_alive(pgid) and time.monotonic() < end:
-            time.sleep(0.05)
+    def _on_kill(self, rep: Replica) -> Callable[[], None]:
+        return lambda: self._log(f"{rep.name}: still running after SIGTERM, sending SIGKILL")
 
     # -- async --------------------------------------------------------------------------------
 
@@ -655,7 +598,7 @@ class LocalFleet:
         return None if self.healthy_at is None else self.healthy_at - self.started_at
 
     def pgids(self) -> list[int]:
-        return [r.proc.pid for r in self.replicas if r.proc is not None]
+        return [r.child.pgid for r in self.replicas if r.child is not None]
 
     def describe(self) -> dict[str, object]:
         s = self.spec
@@ -715,7 +658,6 @@ __all__ = [
     "Replica",
     "ReplicaFailedError",
     "ReplicaLaunch",
-    "group_pids",
     "layout",
     "run_until_signalled",
     "sim_argv",

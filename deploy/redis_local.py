@@ -5,6 +5,7 @@ Never touches 127.0.0.1:6379: it picks a free loopback port, runs with no persis
 always kills the process on teardown. `tls=True` serves TLS only (a self-signed certificate
 made with `openssl`; `ca_file` verifies it). `kill()` (SIGKILL), `pause()`/`resume()`
 (SIGSTOP/SIGCONT, a hung server) and `restart()` (same port, empty data) simulate failures.
+The server runs in its own process group (`deploy.processes`); every signal goes to the group.
 
     with RedisServer() as server:
         client = redis.asyncio.Redis.from_url(server.url)
@@ -24,7 +25,10 @@ import time
 from pathlib import Path
 from types import TracebackType
 
+from deploy.processes import Child, spawn
+
 REDIS_SERVER = os.environ.get("CP_REDIS_SERVER", "redis-server")
+STOP_GRACE_S = 5.0
 
 
 def free_port() -> int:
@@ -51,7 +55,7 @@ class RedisServer:
         self.tls = tls
         self.extra_args = extra_args
         self.port = 0
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self.paused = False
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
 
@@ -78,11 +82,11 @@ class RedisServer:
 
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc is not None else None
+        return self.child.pid if self.child is not None else None
 
     @property
     def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.child is not None and self.child.poll() is None
 
     @property
     def dir(self) -> Path:
@@ -105,7 +109,7 @@ class RedisServer:
                 return
             except RuntimeError as exc:  # most likely the port was taken in between: retry
                 last_error = str(exc)
-                self._reap(signal.SIGKILL)
+                self.kill()
                 if not keep_port:
                     self.port = 0
         raise RuntimeError(f"redis-server did not start: {last_error}")
@@ -133,14 +137,12 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self.child = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
+            if self.child is None or self.child.poll() is not None:
                 raise RuntimeError(f"exited early: {self.log_tail()}")
             if self.ping():
                 return
@@ -179,38 +181,30 @@ class RedisServer:
             return "(no log)"
         return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
-    def _reap(self, sig: signal.Signals, wait_s: float = 5.0) -> None:
-        proc, self.proc = self.proc, None
+    def _release(self) -> Child | None:
+        child, self.child = self.child, None
         self.paused = False
-        if proc is None:
-            return
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
-                proc.send_signal(sig)
-            try:
-                proc.wait(wait_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(wait_s)
+        return child
 
     def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it does not exit."""
-        self._reap(signal.SIGTERM)
+        """SIGTERM (a paused server is resumed first), then SIGKILL if it does not exit."""
+        if (child := self._release()) is not None:
+            child.stop(STOP_GRACE_S)
 
     def kill(self) -> None:
         """SIGKILL: the server dies with no goodbye (clients see resets/refusals)."""
-        self._reap(signal.SIGKILL)
+        if (child := self._release()) is not None:
+            child.kill()
 
     def pause(self) -> None:
         """SIGSTOP: the server keeps its socket but answers nothing (a hung Redis)."""
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGSTOP)
+        if self.child is not None:
+            self.child.signal(signal.SIGSTOP)
             self.paused = True
 
     def resume(self) -> None:
-        if self.proc is not None:
-            self.proc.send_signal(signal.SIGCONT)
+        if self.child is not None:
+            self.child.signal(signal.SIGCONT)
             self.paused = False
 
     def restart(self, timeout_s: float = 10.0) -> None:

@@ -10,8 +10,6 @@ is not installed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -21,19 +19,9 @@ import redis
 from redis_server import RedisServer, available
 
 from controlplane.prefix.redis_index import RedisPrefixIndex
+from deploy.processes import group_alive
 
 INDEX_CLIENT_NAME = "cp-test-index"
-
-
-def _process_gone(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    # a zombie still answers kill(0): ask the kernel for its state
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] in ("Z", "X")
-    return False
 
 
 @pytest.fixture
@@ -51,7 +39,7 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
         for pid in pids - {None}:
             assert pid is not None
-            assert _process_gone(pid), f"redis-server {pid} still running"
+            assert not group_alive(pid), f"redis-server {pid} still running"
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ from sim_fleet import SimReplica
 
 from controlplane.tenancy.quota import QuotaStats
 from controlplane.tenancy.quota_redis import RedisQuotaStore
+from deploy.processes import Child, spawn
 
 KEY = "cpk-quota-scenario-key"
 TENANT = "acme"
@@ -100,22 +101,20 @@ class RouterProcess:
         self.config_path = workdir / f"router{index}.yaml"
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.log_path = workdir / f"router{index}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
 
     def start(self) -> None:
         cp = Path(sys.executable).parent / "controlplane"
         argv = [str(cp), "serve", "--config", str(self.config_path), "--port", str(self.port)]
         env = {**os.environ, "CP_CACHE_SALT_SECRET": "quota-scenario-secret"}
         with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+            self.child = spawn(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, replicas: int, timeout_s: float = 60.0) -> None:
-        assert self.proc is not None
+        assert self.child is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
+            if self.child.poll() is not None:
                 raise RuntimeError(f"router exited: {self.log_path.read_text()[-2000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 r = httpx.get(f"{self.url}/ready", timeout=2.0)
@@ -125,19 +124,7 @@ class RouterProcess:
         raise RuntimeError(f"router not ready: {self.log_path.read_text()[-2000:]}")
 
     def stop(self) -> int | None:
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
-        return proc.returncode
+        return None if self.child is None else self.child.stop(15.0)
 
 
 def router_config(
@@ -224,7 +211,8 @@ async def kill_mid_stream(doomed: SimReplica, done: asyncio.Event) -> int:
     while now != before:  # the step in progress, if any, has completed
         await asyncio.sleep(0.05)
         before, now = now, await loop.run_in_executor(None, tokens, doomed.url)
-    os.killpg(doomed.pid, signal.SIGKILL)
+    assert doomed.child is not None
+    doomed.child.signal(signal.SIGKILL)
     return now
 
 

@@ -1,8 +1,9 @@
 """Simulated vLLM replicas (`python -m controlplane.sim_replica`) as subprocesses, for tests.
 
 Each replica listens on a port the OS picks (`--port 0`; the URL comes from its ready line), runs
-in its own process group, and is waited for until `/health` answers 200. Teardown sends SIGTERM
-to the group, then SIGKILL after a grace period, and checks nothing of the group is left.
+in its own process group (`deploy.processes`), and is waited for until `/health` answers 200.
+Teardown sends SIGTERM to the group, then SIGKILL after a grace period, and checks nothing of the
+group is left.
 
     with SimReplica("--speed", "20", env={"PYTHONHASHSEED": "0"}) as replica:
         httpx.get(f"{replica.url}/v1/models")
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +24,8 @@ from types import TracebackType
 from typing import Any
 
 import httpx
+
+from deploy.processes import Child, group_alive, spawn
 
 READY_PREFIX = "sim-replica ready at "
 ADMIN_TOKEN = "test-admin-token"
@@ -43,7 +45,7 @@ class SimReplica:
         self.env = dict(env or {})
         self.admin_token = admin_token
         self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.child: Child | None = None
         self.url = ""
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - closed by stop()
 
@@ -62,9 +64,7 @@ class SimReplica:
             *self.args,
         ]
         env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=self._stderr, env=env, start_new_session=True
-        )
+        self.child = spawn(cmd, env=env, stdout=subprocess.PIPE, stderr=self._stderr)
         deadline = time.monotonic() + self.start_timeout_s
         self.url = self._read_ready_line(deadline)
         while time.monotonic() < deadline:
@@ -76,8 +76,8 @@ class SimReplica:
         raise TimeoutError(f"sim replica not healthy in {self.start_timeout_s}s: {self.stderr}")
 
     def _read_ready_line(self, deadline: float) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
-        out = self.proc.stdout
+        assert self.child is not None and self.child.stdout is not None
+        out = self.child.stdout
         buf = b""
         while time.monotonic() < deadline:
             ready, _, _ = select.select([out], [], [], 0.05)
@@ -89,15 +89,15 @@ class SimReplica:
                 for line in buf.decode(errors="replace").splitlines():
                     if line.startswith(READY_PREFIX):
                         return line[len(READY_PREFIX) :].strip()
-            elif self.proc.poll() is not None:
+            elif self.child.poll() is not None:
                 break
         self.stop()
         raise RuntimeError(f"sim replica did not start: {buf!r} {self.stderr}")
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
+        assert self.child is not None
+        return self.child.pgid
 
     @property
     def stderr(self) -> str:
@@ -105,31 +105,16 @@ class SimReplica:
         return self._stderr.read().decode(errors="replace")
 
     def wait_exit(self, timeout: float = 5.0) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout)
+        assert self.child is not None
+        return self.child.wait(timeout)
 
     def stop(self, grace_s: float = 5.0) -> int | None:
         """SIGTERM the process group, SIGKILL after `grace_s`; returns the exit status."""
-        proc = self.proc
-        if proc is None:
+        if self.child is None:
             return None
-        pgid = proc.pid
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                proc.wait(grace_s)
-        # anything left in the group (there should be nothing) goes too
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        code = self.child.stop(grace_s)
         self._stderr.close()
-        return proc.returncode
+        return code
 
     def __enter__(self) -> SimReplica:
         return self.start()
@@ -167,15 +152,6 @@ class SimReplica:
         return pub, local(src["replay_endpoint"])
 
 
-def group_gone(pgid: int) -> bool:
-    """No process of the group `pgid` exists any more."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @contextlib.contextmanager
 def sim_replica(*args: str, env: Mapping[str, str] | None = None) -> Iterator[SimReplica]:
     """A started replica; on exit it is stopped and its process group is checked gone."""
@@ -185,4 +161,4 @@ def sim_replica(*args: str, env: Mapping[str, str] | None = None) -> Iterator[Si
         yield replica
     finally:
         replica.stop()
-        assert group_gone(replica.pid), "the sim replica left processes behind"
+        assert not group_alive(replica.pid), "the sim replica left processes behind"

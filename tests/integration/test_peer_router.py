@@ -7,9 +7,7 @@ SSE streaming through the proxy.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ import pytest
 from redis_server import free_port
 
 from deploy.local_fleet import FleetSpec, LocalFleet
+from deploy.processes import spawn
 
 MODEL = "tiny-llama"
 
@@ -46,7 +45,7 @@ def router(request: pytest.FixtureRequest, sim_fleet: LocalFleet) -> Iterator[tu
     binary = _router_binary()
     assert binary is not None
     port = free_port()
-    proc = subprocess.Popen(
+    child = spawn(
         [
             binary,
             "--host",
@@ -60,13 +59,12 @@ def router(request: pytest.FixtureRequest, sim_fleet: LocalFleet) -> Iterator[tu
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, "vllm-router exited"
+            assert child.poll() is None, "vllm-router exited"
             try:
                 if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
                     break
@@ -76,12 +74,7 @@ def router(request: pytest.FixtureRequest, sim_fleet: LocalFleet) -> Iterator[tu
             time.sleep(0.2)
         yield url, request.param
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        child.stop(10.0)
 
 
 def test_completions_stream_through_the_peer_router(router: tuple[str, str]) -> None:

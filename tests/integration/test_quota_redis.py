@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
-import signal
 import subprocess
 import sys
 import textwrap
@@ -26,6 +24,7 @@ from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import QuotaReason, Reservation, SettleOutcome, WindowKind
 from controlplane.tenancy.quota_memory import MemoryQuotaStore
 from controlplane.tenancy.quota_redis import RedisQuotaStore
+from deploy.processes import Child, spawn
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
@@ -119,20 +118,16 @@ PROCESS = textwrap.dedent(
 )
 
 
-def spawn(url: str, n: int, seed: int, ttl: float = 900.0) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", PROCESS, url, str(n), str(seed), str(ttl)],
-        stdout=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def store_process(url: str, n: int, seed: int, ttl: float = 900.0) -> Child:
+    argv = [sys.executable, "-c", PROCESS, url, str(n), str(seed), str(ttl)]
+    return spawn(argv, stdout=subprocess.PIPE)
 
 
 async def test_reservations_from_several_processes_never_exceed_the_quota(
     make_store: Factory, redis_server: RedisServer
 ) -> None:
-    procs = [spawn(redis_server.url, 40, seed) for seed in range(3)]
-    outs = [p.communicate(timeout=30)[0] for p in procs]
+    procs = [store_process(redis_server.url, 40, seed) for seed in range(3)]
+    outs = [p.proc.communicate(timeout=30)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
     amounts = [a for out in outs for a in json.loads(out.splitlines()[0])]
     admitted = [a for a in amounts if a]
@@ -163,14 +158,13 @@ async def test_a_dead_routers_reservations_expire_and_its_heartbeat_goes(
 ) -> None:
     live = make_store(heartbeat_s=0.2)
     assert await live.heartbeat() == 1
-    dead = spawn(redis_server.url, 5, 0, ttl=0.5)  # reserves 5 x (prompt + 30), then hangs
+    # reserves 5 x (prompt + 30), then hangs
+    dead = store_process(redis_server.url, 5, 0, ttl=0.5)
     assert dead.stdout is not None
     held = json.loads(dead.stdout.readline())
-    assert dead.stdout.readline().strip() == "holding"
+    assert dead.stdout.readline().strip() == b"holding"
     assert await live.heartbeat() == 2
-    os.killpg(dead.pid, signal.SIGKILL)
-    dead.wait(5)
-    dead.stdout.close()
+    dead.kill()  # SIGKILL, reaped, its pipe closed
     t = Tenant("acme", quota_tokens=3000, quota_window_s=600.0)
     stats = await live.stats("acme")
     assert stats.open == 5

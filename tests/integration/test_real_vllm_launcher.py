@@ -23,13 +23,13 @@ from deploy.local_fleet import (
     LocalFleet,
     ReplicaFailedError,
     ReplicaLaunch,
-    group_pids,
     layout,
     run_until_signalled,
     sim_argv,
     vllm_argv,
     vllm_env,
 )
+from deploy.processes import group_pids
 
 FAKE_REPLICA = r"""
 import http.server, os, signal, subprocess, sys, threading, time

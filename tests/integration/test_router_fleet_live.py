@@ -9,10 +9,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from sim_fleet import SimReplica, group_gone
+from sim_fleet import SimReplica
 
 from controlplane.routing.ledger import RouterLedger
 from controlplane.types import Phase
+from deploy.processes import group_alive
 from router.config import HealthConfig, ReplicaConfig, RouterSettings
 from router.fleet.live_fleet import LiveFleet, SlowReason
 
@@ -35,9 +36,9 @@ def start_replicas(n: int) -> list[SimReplica]:
 
 def stop_replicas(replicas: list[SimReplica]) -> None:
     for r in replicas:
-        if r.proc is not None:
+        if r.child is not None:
             r.stop()
-            assert group_gone(r.pid), "a sim replica left processes behind"
+            assert not group_alive(r.pid), "a sim replica left processes behind"
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def sims() -> Iterator[list[SimReplica]]:
 def _reset_faults(sims: list[SimReplica]) -> Iterator[None]:
     yield
     for r in sims:
-        if r.proc is not None and r.proc.poll() is None:
+        if r.child is not None and r.child.poll() is None:
             r.set_faults(reset=True)
 
 

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sim_fleet import SimReplica, group_gone, sim_replica
+from sim_fleet import SimReplica, sim_replica
+
+from deploy.processes import group_alive
 
 MODEL = "tiny-llama"
 
@@ -22,7 +24,7 @@ def replica() -> Iterator[SimReplica]:
 @pytest.fixture(autouse=True)
 def _reset(replica: SimReplica) -> Iterator[None]:
     yield
-    if replica.proc is not None and replica.proc.poll() is None:
+    if replica.child is not None and replica.child.poll() is None:
         replica.set_faults(reset=True)
 
 
@@ -149,7 +151,7 @@ def test_die_after_chunks_from_the_command_line() -> None:
                         events.append(line)
         assert len(events) == 2
         assert r.wait_exit() == 1
-        assert group_gone(r.pid)
+        assert not group_alive(r.pid)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{r.url}/health", timeout=1.0)
 
@@ -157,4 +159,4 @@ def test_die_after_chunks_from_the_command_line() -> None:
 def test_sigterm_exits_cleanly() -> None:
     r = SimReplica("--speed", "20").start()
     assert r.stop() == 0
-    assert group_gone(r.pid)
+    assert not group_alive(r.pid)

@@ -20,7 +20,8 @@ import httpx
 import msgspec
 import zmq
 
-from deploy.local_fleet import FleetSpec, LocalFleet, group_pids
+from deploy.local_fleet import FleetSpec, LocalFleet
+from deploy.processes import group_pids
 from deploy.tiny_model import make_tiny_model
 from deploy.vllm_env import default_venv, read_stamp
 
@@ -92,10 +93,10 @@ def rss_mib(fleet: LocalFleet) -> dict[str, float]:
     """Resident memory of each replica's whole process group, MiB."""
     out: dict[str, float] = {}
     for rep in fleet.replicas:
-        if rep.proc is None:
+        if rep.child is None:
             continue
         total = 0
-        for pid in group_pids(rep.proc.pid):
+        for pid in group_pids(rep.child.pgid):
             try:
                 for line in Path(f"/proc/{pid}/status").read_text().splitlines():
                     if line.startswith("VmRSS:"):
