@@ -15,6 +15,9 @@ operations at once, the live router with I/O (`router.core`):
     books.finish(routed, output_tokens) exactly once: ledger.release, policy.on_finished,
                predictor.observe(output) when the output is known
 
+`journal` (off unless a list is set) records every step with its figures, so a test can hold two
+hosts' books against each other: the same requests must give the same entries.
+
 Usable hit tokens follow vLLM: an N-token prompt reuses at most (N - 1) // B cached blocks, so
 the ledger's uncached prefill is never zero. The settings (reservations, speculation, its TTL
 and the retract grace) are `PolicyConfig`'s: one set of defaults for both hosts.
@@ -108,6 +111,8 @@ class RoutingBooks:
             raise ValueError(f"no policy object for arms {sorted(missing)}")
         self.ledger = RouterLedger()
         self.predictor = predictor or OutputLengthPredictor()
+        # every step and its figures, when a list is set (tests compare hosts with it)
+        self.journal: list[tuple[object, ...]] | None = None
 
     @classmethod
     def single(
@@ -169,18 +174,22 @@ class RoutingBooks:
     def _reserve(self, routed: Routed, now: float) -> list[IndexOp]:
         req, rid, cfg = routed.request, routed.replica_id, self.config
         routed.tried.append(rid)
+        uncached = req.prompt_tokens - routed.predicted_hit_tokens
         if cfg.reservations:
             self.ledger.reserve(
-                req.request_id,
-                rid,
-                req.prompt_tokens,
-                req.prompt_tokens - routed.predicted_hit_tokens,
-                req.predicted_output_tokens,
-                now,
+                req.request_id, rid, req.prompt_tokens, uncached, req.predicted_output_tokens, now
             )
+        ops: list[IndexOp] = []
         if cfg.speculative and req.block_hashes:
-            return [Speculate(rid, req.block_hashes, cfg.speculative_ttl_s)]
-        return []
+            ops.append(Speculate(rid, req.block_hashes, cfg.speculative_ttl_s))
+        if self.journal is not None:
+            d = routed.decision
+            figures = (req.prompt_tokens, uncached, req.predicted_output_tokens)
+            self.journal.append(
+                ("route", req.request_id, rid, str(d.reason), d.expected_hit_blocks, *figures)
+            )
+            self.journal += [_entry(op) for op in ops]
+        return ops
 
     def reroute(self, routed: Routed, snapshot: FleetSnapshot, now: float) -> list[IndexOp] | None:
         """Move a request its replica never accepted to the best untried routable candidate;
@@ -207,9 +216,13 @@ class RoutingBooks:
         self.ledger.first_token(routed.request_id)
         routed.policy.on_first_token(routed.request, routed.replica_id)
         cfg = self.config
+        ops: list[IndexOp] = []
         if cfg.speculative and routed.request.block_hashes:
-            return [Retract(routed.replica_id, routed.request.block_hashes, cfg.retract_grace_s)]
-        return []
+            ops.append(Retract(routed.replica_id, routed.request.block_hashes, cfg.retract_grace_s))
+        if self.journal is not None:
+            self.journal.append(("first_token", routed.request_id, routed.replica_id))
+            self.journal += [_entry(op) for op in ops]
+        return ops
 
     def finish(self, routed: Routed, output_tokens: int | None) -> bool:
         """Release everything the request holds; True the first time only."""
@@ -221,7 +234,16 @@ class RoutingBooks:
         if output_tokens:
             req = routed.request
             self.predictor.observe(req.tenant, req.prompt_tokens, output_tokens)
+        if self.journal is not None:
+            self.journal.append(("finish", routed.request_id, routed.replica_id, output_tokens))
         return True
+
+
+def _entry(op: IndexOp) -> tuple[object, ...]:
+    """An index operation as a journal entry (the hash count: hosts hash alike only in shape)."""
+    if isinstance(op, Speculate):
+        return ("speculate", op.replica_id, len(op.hashes), op.ttl_s)
+    return ("retract", op.replica_id, len(op.hashes), op.grace_s)
 
 
 __all__ = [
