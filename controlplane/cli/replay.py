@@ -132,12 +132,41 @@ def replay_cmd(
     trace: Annotated[
         str, typer.Option(help="Trace: path, 'mooncake', 'azure-code', or gen:<name>?k=v")
     ] = "mooncake",
-    replicas: Annotated[int, typer.Option(min=1, help="Replicas in the fleet.")] = 8,
+    replicas: Annotated[
+        int | None,
+        typer.Option(min=1, help="Replicas in the fleet [default: 8, or --router-config's]."),
+    ] = None,
     model: Annotated[
-        str, typer.Option(help="Model key (see `controlplane roofline models`).")
-    ] = "llama-3.1-8b",
-    gpu: Annotated[str, typer.Option(help="GPU key: h100, h200, a100, l40s, cpu.")] = "h100",
-    tp: Annotated[int, typer.Option(min=1, help="Tensor parallel degree per replica.")] = 1,
+        str | None,
+        typer.Option(
+            help="Model key (see `controlplane roofline models`) [default: llama-3.1-8b, or "
+            "--router-config's first replica's]."
+        ),
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(
+            help="GPU key: h100, h200, a100, l40s, cpu [default: h100, or --router-config's]."
+        ),
+    ] = None,
+    tp: Annotated[
+        int | None,
+        typer.Option(min=1, help="Tensor parallel degree [default: 1, or --router-config's]."),
+    ] = None,
+    router_config: Annotated[
+        Path | None,
+        typer.Option(
+            help="Replay what a router configuration deploys: its policy or A/B arms (one "
+            "row per arm, and the split), books, fair queue and tenants' weights and classes; "
+            "its replicas set the fleet unless --replicas/--gpu/--model/--tp say otherwise."
+        ),
+    ] = None,
+    each_arm: Annotated[
+        bool,
+        typer.Option(
+            "--each-arm", help="With --router-config: also replay each arm alone on the trace."
+        ),
+    ] = False,
     policies: Annotated[str, typer.Option(help="Comma-separated routing policies.")] = ALL_POLICIES,
     rate_scale: Annotated[
         float, typer.Option(help="Divide inter-arrival times by this factor.")
@@ -204,6 +233,27 @@ def replay_cmd(
     ] = None,
 ) -> None:
     """Replay a trace through a simulated fleet once per policy and compare them side by side."""
+    if router_config is not None:
+        from controlplane.cli.replay_config import replay_router_config
+
+        replay_router_config(
+            router_config,
+            trace=trace,
+            fleet=(replicas, gpu, model, tp, block_size),
+            trace_options={
+                "rate_scale": rate_scale,
+                "window_spec": window,
+                "densest": densest,
+                "max_requests": max_requests,
+                "seed": seed,
+            },
+            slo=(slo_ttft, slo_tpot),
+            each_arm=each_arm,
+            json_path=json_path,
+            plot=plot,
+        )
+        return
+    replicas, gpu, model, tp = replicas or 8, gpu or "h100", model or "llama-3.1-8b", tp or 1
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise ConfigError("--policies is empty")
@@ -235,14 +285,7 @@ def replay_cmd(
         f"[bold]{tr.name}[/]: {len(tr)} requests over {tr.duration_s:.0f}s; "
         f"{replicas} x {prof.label} ({prof.num_gpu_blocks} blocks of {prof.resolved_block_size})"
     )
-    with Progress(
-        TextColumn("{task.description:<20}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out,
-        transient=True,
-    ) as bar:
+    with progress_bar() as bar:
         tasks: dict[str, object] = {}
 
         def start(name: str) -> None:
@@ -267,6 +310,11 @@ def replay_cmd(
                 on_policy_start=start,
                 progress=advance,
             )
+    write_report(report, json_path, plot)
+
+
+def write_report(report: ReplayReport, json_path: Path | None, plot: Path | None) -> None:
+    """Print the tables; write the JSON and the plot when asked."""
     print_report(report)
     if report.fairness:
         print_fairness(report)
@@ -279,6 +327,17 @@ def replay_cmd(
 
         plot_replay(report, plot)
         out.print(f"wrote {plot}")
+
+
+def progress_bar() -> Progress:
+    return Progress(
+        TextColumn("{task.description:<20}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=out,
+        transient=True,
+    )
 
 
 def replay_fair(

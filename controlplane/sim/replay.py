@@ -1,9 +1,11 @@
 """Replay one trace through a simulated fleet once per routing policy, side by side.
 
-The library call behind `controlplane replay`, `make demo` and the benchmarks. Every policy sees
-the same trace, the same engine profile and the same fleet settings; block hashes are computed
-once and shared. The pooled-cache ceiling (controlplane.sim.pooled) is computed alongside, so each
-policy's hit rate can be read as a fraction of what any policy could reach.
+The library call behind `controlplane replay`, `make demo` and the benchmarks; `replay_arms`
+replays a router configuration's A/B split as the router runs it (`replay --router-config`).
+Every policy sees the same trace, the same engine profile and the same fleet settings; block
+hashes are computed once and shared. The pooled-cache ceiling (controlplane.sim.pooled) is
+computed alongside, so each policy's hit rate can be read as a fraction of what any policy could
+reach.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from controlplane.routing.ab import arms_from_config
 from controlplane.routing.policies import make_policy
 from controlplane.sim.fairness import TenantFairness
 from controlplane.sim.fleet import FleetConfig, FleetSim
@@ -127,6 +130,49 @@ def replay(
             on_policy_start(name)
         sim = FleetSim(with_policy(config, name=name, params=params.get(name, {}), arms=[]))
         report.results[name] = sim.run(trace, block_ids=ids, id_floor=floor, progress=progress)
+    report.wall_s = time.perf_counter() - wall0
+    return report
+
+
+def replay_arms(
+    trace: Trace,
+    config: FleetConfig,
+    *,
+    each_arm: bool = False,
+    slo_ttft_s: float = 2.0,
+    slo_tpot_s: float = 0.1,
+    pooled: bool = True,
+    on_run_start: Callable[[str], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> ReplayReport:
+    """Replay `trace` once with `config.policy` as a router runs it: its A/B arms split the
+    requests by sticky key on one fleet (results "split", and "arm <name>" per arm); with
+    `each_arm`, every arm's policy also runs alone on the whole trace ("<name> alone")."""
+    wall0 = time.perf_counter()
+    bs = config.profile.resolved_block_size
+    ids, floor = dense_block_ids(trace, bs)
+    report = ReplayReport(trace.name, config, slo_ttft_s, slo_tpot_s)
+    arms = arms_from_config(config.policy)
+    for arm in arms:
+        make_policy(arm.policy, **arm.params)  # fail fast on a bad name or parameter
+    if pooled:
+        report.pooled_prefix_hit_rate = pooled_hit_rate(
+            trace, config.profile, config.replicas, ids, id_floor=floor
+        )
+    runs = [("split", config)]
+    if each_arm:
+        runs += [
+            (f"{a.name} alone", with_policy(config, name=a.policy, params=a.params, arms=[]))
+            for a in arms
+        ]
+    for label, cfg in runs:
+        if on_run_start is not None:
+            on_run_start(label)
+        result = FleetSim(cfg).run(trace, block_ids=ids, id_floor=floor, progress=progress)
+        report.results[label] = result
+        if label == "split" and len(arms) > 1:
+            for arm in arms:
+                report.results[f"arm {arm.name}"] = result.only_arm(arm.name)
     report.wall_s = time.perf_counter() - wall0
     return report
 

@@ -88,6 +88,19 @@ class FleetResult:
     def completed(self) -> list[RequestRecord]:
         return [r for r in self.records if r.completed]
 
+    def only_arm(self, arm: str) -> FleetResult:
+        """The requests one A/B arm routed (fleet-wide figures, such as preemptions and load
+        imbalance, stay the whole fleet's: the arms shared it)."""
+        return FleetResult(
+            records=[r for r in self.records if r.arm == arm],
+            replicas=self.replicas,
+            simulated_s=self.simulated_s,
+            wall_s=self.wall_s,
+            trace_span_s=self.trace_span_s,
+            kv_events_applied=self.kv_events_applied,
+            meta=self.meta,
+        )
+
     def summary(self, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, float]:
         """The figures `controlplane replay` prints and writes (see the module docstring)."""
         done = self.completed()

@@ -85,10 +85,10 @@ def test_the_simulator_and_the_router_book_the_same(model_dir: Path) -> None:
     args += ["--num-gpu-blocks", str(BLOCKS)]
     with SimReplica(*args) as r0, SimReplica(*args) as r1:
         entries = []
-        for rid, sim in (("replica-0", r0), ("replica-1", r1)):
-            pub, replay = sim.kv_endpoints()
+        for rid, replica in (("replica-0", r0), ("replica-1", r1)):
+            pub, replay = replica.kv_endpoints()
             entries.append(
-                {"id": rid, "url": sim.url, "gpu": "cpu", "model": MODEL}
+                {"id": rid, "url": replica.url, "gpu": "cpu", "model": MODEL}
                 | {"kv_events": pub, "kv_replay": replay, "block_size": BLOCK}
                 | {"num_gpu_blocks": BLOCKS}
             )
