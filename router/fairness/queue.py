@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from controlplane.errors import CapacityError, RequestError
+from controlplane.errors import CapacityError, NoReadyReplicaError, RequestError
 from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.load import estimate
 from controlplane.tenancy.config import FairnessConfig
@@ -181,6 +181,8 @@ class FairQueue:
             t.admitted = True
             return t
         core = self.core
+        if not self.snapshot().routable():  # nothing could ever admit it: say so now
+            raise NoReadyReplicaError("no ready replica: every replica is loading, ejected or gone")
         fifo = core.fifos.get(tenant.tenant_id)
         waiting_here = len(fifo) if fifo else 0
         if not core.queued and self._admit_now(t):
@@ -224,6 +226,11 @@ class FairQueue:
         core = self.core
         while core.queued:
             reps = self._fleet(self.snapshot())
+            if not reps:  # the whole fleet went away: the waiters get a 503, not a hang
+                self._fail_waiters(
+                    NoReadyReplicaError("no ready replica: the fleet left while it waited")
+                )
+                return
 
             def fits(t: Ticket, reps: list[ReplicaState] = reps) -> bool:
                 return bool(self._rooms(reps, t))
@@ -315,19 +322,23 @@ class FairQueue:
             await asyncio.sleep(TICK_S)
             self.dispatch()
 
+    def _fail_waiters(self, exc: Exception) -> None:
+        """Every waiting request leaves the queue with `exc`."""
+        core, now = self.core, self.clock()
+        for fifo in list(core.fifos.values()):
+            while fifo:
+                t = fifo[0]
+                core.remove(t, now)
+                self.on_change(t.tenant.tenant_id, len(fifo))
+                if t.waiter is not None and not t.waiter.done():
+                    t.waiter.set_exception(exc)
+
     async def aclose(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._ticker
-        core = self.core
-        for fifo in core.fifos.values():
-            for t in fifo:
-                if t.waiter is not None and not t.waiter.done():
-                    t.waiter.set_exception(CapacityError("the router is shutting down"))
-            fifo.clear()
-        core.waiting_entries.clear()
-        core.queued = 0
+        self._fail_waiters(CapacityError("the router is shutting down"))
 
 
 def _others(r: ReplicaState) -> int:
