@@ -48,6 +48,12 @@ class ReplicaConfig(Section):
     num_gpu_blocks: int | None = Field(
         default=None, ge=1, description="KV blocks; None: from cache_config_info or the roofline."
     )
+    long_prefill_token_threshold: int = Field(
+        default=0,
+        ge=0,
+        description="The replica's --long-prefill-token-threshold (0: off), so the fair queue's "
+        "prefill gate counts the chunks vLLM schedules for long prompts.",
+    )
     kv_events: str | None = Field(
         default=None, description="ZMQ endpoint of the replica's KV events (tcp://host:port)."
     )

@@ -41,6 +41,8 @@ def fleet_config(
         block_size or (first.block_size or 0 if first else 0),
         first.num_gpu_blocks or 0 if first else 0,
     )
+    if first is not None and first.long_prefill_token_threshold:
+        prof = prof.with_overrides(long_prefill_token_threshold=first.long_prefill_token_threshold)
     fair = settings.fairness
     return FleetConfig(
         profile=prof,

@@ -39,6 +39,12 @@ def sim_replica_cmd(
         int, typer.Option(min=0, help="Token budget per step (0: vLLM's default).")
     ] = 0,
     max_model_len: Annotated[int, typer.Option(min=0, help="Context length (0: the model's).")] = 0,
+    long_prefill_token_threshold: Annotated[
+        int,
+        typer.Option(
+            min=0, help="vLLM's: at most this many prompt tokens per request a step (0: off)."
+        ),
+    ] = 0,
     speed: Annotated[
         float, typer.Option(help="Run the roofline's step times this many times faster.")
     ] = 1.0,
@@ -95,6 +101,7 @@ def sim_replica_cmd(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
         speed=speed,
         scheduling_policy=scheduling_policy,  # type: ignore[arg-type]  # validated by the config
         hash_algo=prefix_caching_hash_algo,  # type: ignore[arg-type]

@@ -64,6 +64,9 @@ class ReplicaConfig:
     max_num_batched_tokens: int = 0
     # 0: the model's context length
     max_model_len: int = 0
+    # vLLM's --long-prefill-token-threshold: at most this many prompt tokens a step per request
+    # (0: off)
+    long_prefill_token_threshold: int = 0
     # wall step time = roofline step time / speed
     speed: float = 1.0
     scheduling_policy: SchedulingPolicy = "fcfs"
@@ -111,6 +114,7 @@ class ReplicaConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         usable = (prof.num_gpu_blocks - 1) * prof.resolved_block_size
         if prof.resolved_max_model_len > usable:

@@ -45,6 +45,7 @@ def build_profile(
         tp=cfg.tp,
         block_size=block_size or 0,
         num_gpu_blocks_override=num_gpu_blocks or 0,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
     )
 
 
