@@ -5,6 +5,7 @@
     ├── TraceError             a trace file that cannot be read or parsed
     ├── RequestError           a request the router must refuse (maps to a 4xx)
     │   ├── PromptTooLongError prompt + max_tokens exceed the model's context
+    │   ├── TooManyPromptsError a completions batch with more prompts than the router takes
     │   ├── BodyTooLargeError  413: the body exceeds the configured limit
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
@@ -48,6 +49,13 @@ class RequestError(ControlPlaneError):
 
 class PromptTooLongError(RequestError):
     """Prompt plus max_tokens exceed the served model's context length."""
+
+
+class TooManyPromptsError(RequestError):
+    """A completions request carries more prompts than `limits.max_prompts_per_request`."""
+
+    openai_code = "too_many_prompts"
+    param = "prompt"
 
 
 class BodyTooLargeError(RequestError):

@@ -91,6 +91,12 @@ class LimitsConfig(Section):
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="Time to receive a whole request body (408 beyond)."
     )
+    max_prompts_per_request: int = Field(
+        default=256,
+        ge=1,
+        description="Prompts one /v1/completions request may carry (400 beyond, before any is "
+        "tokenized); each is a sequence the quota and the fair queue reserve for.",
+    )
 
 
 _TENANT_ID = r"^[A-Za-z0-9._:-]{1,64}$"

@@ -14,8 +14,8 @@ Free slots: the fleet's slots (per routable replica the lowest of the roofline's
 concurrency ceilings, or a configured number) minus this router's admitted requests minus the
 work the replicas report that this router did not send (other routers', from their metrics:
 `controlplane.routing.load.estimate`). The batch class may also hold at most `batch_kv_share`
-of the fleet's KV tokens (prompt + max_tokens reserved per request), so interactive sequences
-always find room.
+of the fleet's KV tokens (prompt + sequences x max_tokens reserved per request), so interactive
+sequences always find room.
 Capacity changes as scrapes arrive, so waiting requests are re-checked on a short tick too.
 
 Work units are `controlplane.tenancy.work.WorkModel`'s, the simulator's own: `vtc` counts
@@ -138,7 +138,7 @@ class FairQueue:
         t = Ticket(
             tenant,
             req.prompt_tokens,
-            req.prompt_tokens + cap,
+            req.prompt_tokens + req.sequences * cap,
             tenant.priority is PriorityClass.BATCH,
         )
         if self.cfg.mode == "off":
