@@ -303,6 +303,14 @@ class QuotaConfig(Section):
     heartbeat_s: float = Field(
         default=2.0, gt=0, description="Router heartbeat period (live routers: soft shares)."
     )
+    approx_template_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="With tokenizer 'approx': tokens a chat template may add once per request "
+        "(BOS, generation prompt, a default system preamble) on top of the bound the quota "
+        "reserves for the messages (their UTF-8 JSON bytes); raise it for templates that inject "
+        "a long default system prompt.",
+    )
     expected_routers: int = Field(
         default=1,
         ge=1,

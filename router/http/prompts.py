@@ -11,6 +11,11 @@ id lists); vLLM runs each as its own sequence, `n` (or `best_of`) times. So:
     check_prompt_count   more than `limits.max_prompts_per_request` prompts: 400 (param
                          `prompt`), raised by the handler before anything is tokenized, reserved
                          or queued, so a 100,000-prompt body costs its JSON parse and no more
+    quota_prompt_tokens  the prompt tokens a quota reserves: the tokenizer's count when it is
+                         exact; with the approximate tokenizer an upper bound of what the replica
+                         will report (`controlplane.token_bound`: UTF-8 bytes of the text, of each
+                         message's JSON, plus `quota.approx_template_tokens`), so that the usage
+                         settled never outgrows the reservation (routing keeps the estimate)
 
 The prompts' tokens are all counted by `RouterCore.build` (the batch's first prompt is routed,
 the others add to `prompt_tokens`), so a reservation holds every prompt plus every sequence's
@@ -20,6 +25,7 @@ output.
 from __future__ import annotations
 
 from controlplane.errors import TooManyPromptsError
+from controlplane.token_bound import chat_bound, prompt_bound
 from router.config import LimitsConfig
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
 
@@ -51,4 +57,26 @@ def check_prompt_count(
         )
 
 
-__all__ = ["check_prompt_count", "prompt_count", "sequences"]
+def quota_prompt_tokens(
+    tokenizer_mode: str,
+    template_tokens: int,
+    body: ChatCompletionRequest | CompletionRequest,
+    estimate: int,
+) -> int:
+    """Prompt tokens to reserve: `estimate` (the router's count) unless the tokenizer is the
+    approximate one, then at least the bound of `controlplane.token_bound`."""
+    if tokenizer_mode != "approx":
+        return estimate
+    if isinstance(body, ChatCompletionRequest):
+        bound = chat_bound(
+            [m.model_dump(exclude_none=True) for m in body.messages],
+            overhead=template_tokens,
+            tools=body.tools,
+            chat_template_kwargs=body.chat_template_kwargs,
+        )
+    else:
+        bound = sum(prompt_bound(x) for x in body.prompts())
+    return max(estimate, bound)
+
+
+__all__ = ["check_prompt_count", "prompt_count", "quota_prompt_tokens", "sequences"]

@@ -47,7 +47,7 @@ from controlplane.tenancy.quota import Reservation, settle_tokens
 from router.core import Routed
 from router.fairness.queue import Ticket
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
-from router.http.prompts import sequences
+from router.http.prompts import quota_prompt_tokens, sequences
 from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage
 from router.runtime import RouterRuntime
 from router.telemetry.logs import request_context
@@ -381,6 +381,10 @@ async def reserve_quota(
     (None: no quota); a request without max_tokens gets the quota's cap injected."""
     limits, q = rt.settings.limits, rt.settings.quota
     default_cap = min(limits.default_max_tokens or q.default_max_tokens, limits.max_tokens)
+    # approx tokenizer: an upper bound of what the replica will count, not the estimate
+    prompt_tokens = quota_prompt_tokens(
+        rt.tokenizer.mode, q.approx_template_tokens, body, prompt_tokens
+    )
     try:
         return await rt.quotas.reserve(
             tenant,
