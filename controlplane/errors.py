@@ -7,6 +7,9 @@
     │   ├── PromptTooLongError prompt + max_tokens exceed the model's context
     │   ├── TooManyPromptsError a completions batch with more prompts than the router takes
     │   ├── BodyTooLargeError  413: the body exceeds the configured limit
+    │   ├── RequestHeadTooLargeError 431: the request head exceeds its size or header limit
+    │   ├── RequestHeadTimeoutError  408: the request head did not arrive in time
+    │   ├── InvalidHttpError   400: bytes that are not HTTP/1.1
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
     │   ├── QuotaExceededError 429: no room in the tenant's token quota (Retry-After)
@@ -14,6 +17,7 @@
     │       └── UnknownReplicaError  a replica id the fleet does not know
     ├── CapacityError          nothing can serve the request now (maps to 503)
     │   ├── NoReadyReplicaError
+    │   ├── TooManyConnectionsError  more connections open than the router takes
     │   └── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
     └── UpstreamError          the chosen replica failed the request (502)
         └── UpstreamTimeoutError  no answer within the deadline (504)
@@ -62,6 +66,26 @@ class BodyTooLargeError(RequestError):
     """The request body exceeds the configured limit."""
 
     status_code = 413
+
+
+class RequestHeadTooLargeError(RequestError):
+    """The request line and headers exceed `limits.max_header_bytes` or `limits.max_headers`."""
+
+    status_code = 431
+    openai_code = "request_header_fields_too_large"
+
+
+class RequestHeadTimeoutError(RequestError):
+    """The request head did not arrive within `limits.header_timeout_s`."""
+
+    status_code = 408
+    openai_code = "header_timeout"
+
+
+class InvalidHttpError(RequestError):
+    """Bytes on the connection that do not parse as an HTTP/1.1 request."""
+
+    openai_code = "invalid_http"
 
 
 class ModelNotFoundError(RequestError):
@@ -115,6 +139,12 @@ class CapacityError(ControlPlaneError):
 
 class NoReadyReplicaError(CapacityError):
     """Every replica is loading, draining, ejected or dead."""
+
+
+class TooManyConnectionsError(CapacityError):
+    """More connections are open than `limits.max_connections`."""
+
+    openai_code = "too_many_connections"
 
 
 class QuotaUnavailableError(CapacityError):

@@ -91,6 +91,32 @@ class LimitsConfig(Section):
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="Time to receive a whole request body (408 beyond)."
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="The whole head of a request (request line and headers) must arrive within "
+        "this long of the connection opening or of the previous response (408 or close beyond).",
+    )
+    keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="An idle keep-alive connection (no byte of a next request) is closed after "
+        "this long.",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest request head: request line plus header lines (431 beyond).",
+    )
+    max_headers: int = Field(
+        default=100, ge=8, description="Most header lines in one request (431 beyond)."
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Open connections the router serves at once; a request arriving on one "
+        "beyond is answered 503 (the client may retry).",
+    )
     max_prompts_per_request: int = Field(
         default=256,
         ge=1,
