@@ -356,6 +356,18 @@ class TelemetryConfig(Section):
     otel_exporter: Literal["none", "console", "otlp"] = Field(
         default="none", description="Where OpenTelemetry spans go (otlp: OTEL_* env settings)."
     )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve /metrics (which names tenants) on this port of its own, in the same "
+        "process, and answer 404 for it on the main port; None: /metrics on the main port. "
+        "0: a free port (logged).",
+    )
+    metrics_host: str | None = Field(
+        default=None,
+        description="Interface of the metrics listener; None: the router's own host.",
+    )
 
 
 class RouterSettings(BaseSettings):
@@ -419,6 +431,14 @@ class RouterSettings(BaseSettings):
         default_factory=DemandConfig,
         description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
     )
+
+    @model_validator(mode="after")
+    def _metrics_listener_apart(self) -> RouterSettings:
+        t = self.telemetry
+        same_host = (t.metrics_host or self.host) == self.host
+        if t.metrics_port and t.metrics_port == self.port and same_host:
+            raise ValueError("telemetry.metrics_port must differ from the router's port")
+        return self
 
     @field_validator("replicas")
     @classmethod

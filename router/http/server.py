@@ -3,7 +3,7 @@
     server = RouterHttpServer(settings)      # binds host:port now (port 0: the OS picks)
     server.run()                             # blocks: its own event loop (uvloop when installed)
     await server.serve()                     # or in a running loop (tests, a thread)
-    server.ports                             # {"main": 8000} as bound
+    server.ports                             # {"main": 8000, "metrics": 9100} as bound
 
 `controlplane serve` and `controlplane up` run this; the test harness too, so every live test
 goes through the same connection limits (`router/http/protocol.py`: head deadline, idle
@@ -11,6 +11,9 @@ keep-alive, head size and header count, connection cap). uvicorn's WebSocket sup
 (the router serves none), and so is its access log (the router logs each request itself).
 The sockets are bound before the app starts, so a port conflict fails at once, and a port of 0
 is known (and can be printed) before the first request.
+
+With `telemetry.metrics_port`, a second socket serves `/metrics` alone from the same process and
+app (`router/http/listeners.py`), and the main port answers 404 for it.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import socket
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from router.config import RouterSettings
+from router.http.listeners import MetricsListenerSplit
 from router.http.protocol import guarded_protocol
 
 log = logging.getLogger("controlplane.router")
@@ -48,9 +53,22 @@ class RouterHttpServer:
             app = create_app(settings)
         self.settings = settings
         self.app = app
+        host = settings.host if host is None else host
+        self.host = host
+        self.sockets = [bind(host, settings.port if port is None else port)]
+        served: ASGIApp = app
+        t = settings.telemetry
+        if t.metrics_port is not None:
+            metrics_host = t.metrics_host or host
+            try:
+                self.sockets.append(bind(metrics_host, t.metrics_port))
+            except OSError:
+                self.close()
+                raise
+            served = MetricsListenerSplit(app, metrics_port=self.ports["metrics"])
         limits = settings.limits
         self.config = uvicorn.Config(
-            app,
+            served,
             http=guarded_protocol(limits),
             ws="none",
             lifespan="on",
@@ -60,16 +78,18 @@ class RouterHttpServer:
             timeout_graceful_shutdown=5,
         )
         self.server = uvicorn.Server(self.config)
-        host = settings.host if host is None else host
-        self.sockets = [bind(host, settings.port if port is None else port)]
-        self.host = host
 
     @property
     def ports(self) -> dict[str, int]:
-        return {"main": int(self.sockets[0].getsockname()[1])}
+        names = ("main", "metrics")
+        return {n: int(s.getsockname()[1]) for n, s in zip(names, self.sockets, strict=False)}
 
     def _started(self) -> None:
-        log.info("router listening on http://%s:%d", self.host, self.ports["main"])
+        ports = self.ports
+        log.info("router listening on http://%s:%d", self.host, ports["main"])
+        if "metrics" in ports:
+            host = self.settings.telemetry.metrics_host or self.host
+            log.info("router metrics on http://%s:%d/metrics", host, ports["metrics"])
 
     async def serve(self) -> None:
         """Serve until `server.should_exit` (uvicorn's shutdown closes the sockets)."""

@@ -35,6 +35,7 @@ class RouterServer:
         self.ready_timeout_s = ready_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.url = ""
+        self.metrics_url = ""
 
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
@@ -66,7 +67,10 @@ class RouterServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the router did not start")
             time.sleep(0.02)
-        self.url = f"http://127.0.0.1:{self.http.ports['main']}"
+        ports = self.http.ports
+        self.url = f"http://127.0.0.1:{ports['main']}"
+        if "metrics" in ports:  # telemetry.metrics_port: /metrics on a listener of its own
+            self.metrics_url = f"http://127.0.0.1:{ports['metrics']}"
         return self
 
     def wait_ready(self, replicas: int, timeout_s: float = 20.0) -> None:
