@@ -19,8 +19,12 @@
     │   ├── NoReadyReplicaError
     │   ├── TooManyConnectionsError  more connections open than the router takes
     │   └── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
-    └── UpstreamError          the chosen replica failed the request (502)
-        └── UpstreamTimeoutError  no answer within the deadline (504)
+    ├── UpstreamError          the chosen replica failed the request (502)
+    │   └── UpstreamTimeoutError  no answer within the deadline (504)
+    └── StoreError             a Redis store call that got no answer (never reaches a client:
+        │                      each store decides what it means: unknown, 503, local fallback)
+        ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
+        └── StoreTimeoutError      sent; Redis did not answer within the call's budget
 
 Library code raises these; the HTTP boundary maps them to OpenAI-shaped errors once, and the CLI
 maps them to a message on stderr and a non-zero exit code.
@@ -163,3 +167,20 @@ class UpstreamTimeoutError(UpstreamError):
     """The replica did not answer within the deadline."""
 
     status_code = 504
+
+
+class StoreError(ControlPlaneError):
+    """A call to a Redis store got no answer (`controlplane/store/caller.py`)."""
+
+
+class StoreUnavailableError(StoreError):
+    """The call was not sent: the circuit breaker is open, too many calls wait, or the store is
+    closed (`reason`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the store is unavailable ({reason})")
+        self.reason = reason
+
+
+class StoreTimeoutError(StoreError):
+    """The call was sent, and Redis did not answer within its budget."""
