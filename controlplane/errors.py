@@ -5,7 +5,11 @@
     ├── TraceError             a trace file that cannot be read or parsed
     ├── RequestError           a request the router must refuse (maps to a 4xx)
     │   ├── PromptTooLongError prompt + max_tokens exceed the model's context
+    │   ├── TooManyPromptsError a completions batch with more prompts than the router takes
     │   ├── BodyTooLargeError  413: the body exceeds the configured limit
+    │   ├── RequestHeadTooLargeError 431: the request head exceeds its size or header limit
+    │   ├── RequestHeadTimeoutError  408: the request head did not arrive in time
+    │   ├── InvalidHttpError   400: bytes that are not HTTP/1.1
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
     │   ├── QuotaExceededError 429: no room in the tenant's token quota (Retry-After)
@@ -13,9 +17,14 @@
     │       └── UnknownReplicaError  a replica id the fleet does not know
     ├── CapacityError          nothing can serve the request now (maps to 503)
     │   ├── NoReadyReplicaError
+    │   ├── TooManyConnectionsError  more connections open than the router takes
     │   └── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
-    └── UpstreamError          the chosen replica failed the request (502)
-        └── UpstreamTimeoutError  no answer within the deadline (504)
+    ├── UpstreamError          the chosen replica failed the request (502)
+    │   └── UpstreamTimeoutError  no answer within the deadline (504)
+    └── StoreError             a Redis store call that got no answer (never reaches a client:
+        │                      each store decides what it means: unknown, 503, local fallback)
+        ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
+        └── StoreTimeoutError      sent; Redis did not answer within the call's budget
 
 Library code raises these; the HTTP boundary maps them to OpenAI-shaped errors once, and the CLI
 maps them to a message on stderr and a non-zero exit code.
@@ -50,10 +59,37 @@ class PromptTooLongError(RequestError):
     """Prompt plus max_tokens exceed the served model's context length."""
 
 
+class TooManyPromptsError(RequestError):
+    """A completions request carries more prompts than `limits.max_prompts_per_request`."""
+
+    openai_code = "too_many_prompts"
+    param = "prompt"
+
+
 class BodyTooLargeError(RequestError):
     """The request body exceeds the configured limit."""
 
     status_code = 413
+
+
+class RequestHeadTooLargeError(RequestError):
+    """The request line and headers exceed `limits.max_header_bytes` or `limits.max_headers`."""
+
+    status_code = 431
+    openai_code = "request_header_fields_too_large"
+
+
+class RequestHeadTimeoutError(RequestError):
+    """The request head did not arrive within `limits.header_timeout_s`."""
+
+    status_code = 408
+    openai_code = "header_timeout"
+
+
+class InvalidHttpError(RequestError):
+    """Bytes on the connection that do not parse as an HTTP/1.1 request."""
+
+    openai_code = "invalid_http"
 
 
 class ModelNotFoundError(RequestError):
@@ -109,6 +145,12 @@ class NoReadyReplicaError(CapacityError):
     """Every replica is loading, draining, ejected or dead."""
 
 
+class TooManyConnectionsError(CapacityError):
+    """More connections are open than `limits.max_connections`."""
+
+    openai_code = "too_many_connections"
+
+
 class QuotaUnavailableError(CapacityError):
     """A hard quota cannot be checked (its store is unreachable): refuse rather than overshoot."""
 
@@ -125,3 +167,20 @@ class UpstreamTimeoutError(UpstreamError):
     """The replica did not answer within the deadline."""
 
     status_code = 504
+
+
+class StoreError(ControlPlaneError):
+    """A call to a Redis store got no answer (`controlplane/store/caller.py`)."""
+
+
+class StoreUnavailableError(StoreError):
+    """The call was not sent: the circuit breaker is open, too many calls wait, or the store is
+    closed (`reason`)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"the store is unavailable ({reason})")
+        self.reason = reason
+
+
+class StoreTimeoutError(StoreError):
+    """The call was sent, and Redis did not answer within its budget."""

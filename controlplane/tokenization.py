@@ -24,7 +24,8 @@ modes, one async interface (`PromptTokenizer`):
     long words ceil(len/4)), and because pieces are cut locally, **two prompts that share a text
     prefix share their pseudo ids up to the piece where they first differ**, which is all prefix
     hashing needs. The ids mean nothing to a replica: never send them to one.
-    Chats are rendered with a fixed ChatML-like layout before the split.
+    Chats are rendered with a fixed ChatML-like layout before the split. The count is a point
+    estimate (routing); a quota reserves an upper bound instead (`controlplane.token_bound`).
 
 ``RemoteTokenizer`` (exact, one round trip)
     Calls a replica's ``POST /tokenize`` (and ``/detokenize``) with httpx; the chat form applies

@@ -67,6 +67,9 @@ class RoutingRequest:
     block_size: int = 16
     # the vLLM cache_salt the router sends (the hashes' scope); None: the body's own, untouched
     cache_salt: str | None = None
+    # sequences the request runs (a completions batch's prompts x n): max_tokens is reserved
+    # for each
+    sequences: int = 1
 
     def __repr__(self) -> str:
         return (

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -97,6 +97,38 @@ class LimitsConfig(Section):
     )
     body_timeout_s: float = Field(
         default=60.0, gt=0, description="Time to receive a whole request body (408 beyond)."
+    )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="The whole head of a request (request line and headers) must arrive within "
+        "this long of the connection opening or of the previous response (408 or close beyond).",
+    )
+    keepalive_timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="An idle keep-alive connection (no byte of a next request) is closed after "
+        "this long.",
+    )
+    max_header_bytes: int = Field(
+        default=64 * 1024,
+        ge=1024,
+        description="Largest request head: request line plus header lines (431 beyond).",
+    )
+    max_headers: int = Field(
+        default=100, ge=8, description="Most header lines in one request (431 beyond)."
+    )
+    max_connections: int = Field(
+        default=4096,
+        ge=1,
+        description="Open connections the router serves at once; a request arriving on one "
+        "beyond is answered 503 (the client may retry).",
+    )
+    max_prompts_per_request: int = Field(
+        default=256,
+        ge=1,
+        description="Prompts one /v1/completions request may carry (400 beyond, before any is "
+        "tokenized); each is a sequence the quota and the fair queue reserve for.",
     )
 
 
@@ -250,6 +282,14 @@ class QuotaConfig(Section):
     heartbeat_s: float = Field(
         default=2.0, gt=0, description="Router heartbeat period (live routers: soft shares)."
     )
+    approx_template_tokens: int = Field(
+        default=64,
+        ge=0,
+        description="With tokenizer 'approx': tokens a chat template may add once per request "
+        "(BOS, generation prompt, a default system preamble) on top of the bound the quota "
+        "reserves for the messages (their UTF-8 JSON bytes); raise it for templates that inject "
+        "a long default system prompt.",
+    )
     expected_routers: int = Field(
         default=1,
         ge=1,
@@ -268,6 +308,18 @@ class TelemetryConfig(Section):
     log_level: str = Field(default="INFO", description="Python log level of the router.")
     otel_exporter: Literal["none", "console", "otlp"] = Field(
         default="none", description="Where OpenTelemetry spans go (otlp: OTEL_* env settings)."
+    )
+    metrics_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="Serve /metrics (which names tenants) on this port of its own, in the same "
+        "process, and answer 404 for it on the main port; None: /metrics on the main port. "
+        "0: a free port (logged).",
+    )
+    metrics_host: str | None = Field(
+        default=None,
+        description="Interface of the metrics listener; None: the router's own host.",
     )
 
 
@@ -332,6 +384,14 @@ class RouterSettings(BaseSettings):
         default_factory=DemandConfig,
         description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
     )
+
+    @model_validator(mode="after")
+    def _metrics_listener_apart(self) -> RouterSettings:
+        t = self.telemetry
+        same_host = (t.metrics_host or self.host) == self.host
+        if t.metrics_port and t.metrics_port == self.port and same_host:
+            raise ValueError("telemetry.metrics_port must differ from the router's port")
+        return self
 
     @field_validator("replicas")
     @classmethod

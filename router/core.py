@@ -44,6 +44,7 @@ from router.config import RouterSettings
 from router.fleet.index import RouterIndex
 from router.fleet.live_fleet import LiveFleet
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
+from router.http.prompts import sequences
 from router.telemetry import RouterMetrics
 
 if TYPE_CHECKING:
@@ -165,6 +166,7 @@ class RouterCore:
             arrival_s=self.clock(),
             block_size=bs,
             cache_salt=salt.salt,
+            sequences=sequences(body),
         )
 
     # -- 4..7: the decision -----------------------------------------------------------------------

@@ -22,23 +22,15 @@ def _progress(msg: str) -> None:
 
 
 def _run_router(settings: object) -> None:
-    import uvicorn
-
     from router.config import RouterSettings
-    from router.http.service import create_app
+    from router.http.server import RouterHttpServer
     from router.telemetry import configure_logging, setup_tracing
 
     assert isinstance(settings, RouterSettings)
     configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
     setup_tracing(settings.telemetry.otel_exporter)
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    # uvicorn with the router's connection limits (router/http/protocol.py)
+    RouterHttpServer(settings).run()
 
 
 @app.command("serve")

@@ -40,12 +40,17 @@ Speculative expiry is exact.
 
 **Lookup** is one EVALSHA (the script is reloaded on NOSCRIPT); see `redis_lua.LOOKUP`.
 
-**Resilience**: the lookup has a time budget (default 25 ms) and returns None ("unknown") on a
-timeout, a connection error or anything else; writes go through a bounded queue drained by one
-background task (pipelined, one round trip per batch; full queue = drop and count); a circuit
-breaker (3 consecutive failures, one half-open probe after a cool-down) makes a dead Redis free.
-Clears that could not be applied are kept and applied once Redis answers (a late clear only
-forgets, which is the safe direction).
+**Calls** (lookups and write batches) go through the shared `controlplane.store.caller`
+`ScriptCaller`: concurrent lookups are pipelined on a couple of connections, in the same round
+trips as the writes, and a call's budget runs from when its round trip is sent, so lookups that
+queue behind the router's own CPU are not timed out for it.
+
+**Resilience**: the lookup has a time budget (default 25 ms, from its send) and returns None
+("unknown") on a timeout, a connection error or anything else; writes go through a bounded queue
+drained by one background task (one call batch per drain; full queue = drop and count); a
+circuit breaker (3 consecutive failed round trips, one half-open probe after a cool-down) makes a
+dead Redis free, and opens on Redis-side failures only. Clears that could not be applied are
+kept and applied once Redis answers (a late clear only forgets, which is the safe direction).
 """
 
 from __future__ import annotations
@@ -59,13 +64,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import ResponseError
 
-from controlplane.errors import ConfigError
+from controlplane.errors import ConfigError, StoreTimeoutError, StoreUnavailableError
 from controlplane.prefix.redis_lua import LOOKUP, WRITE
 from controlplane.store.breaker import BreakerState, CircuitBreaker
+from controlplane.store.caller import ScriptCaller
 from controlplane.store.scripts import Script, script_client
 from controlplane.store.urls import check_url, redacted
 from controlplane.types import PrefixMatch
@@ -89,6 +93,11 @@ def chain_blob(hashes: Sequence[int]) -> bytes:
         return struct.pack(f">{len(hashes)}Q", *hashes)
     except struct.error:
         return struct.pack(f">{len(hashes)}Q", *(int(h) & MASK64 for h in hashes))
+
+
+def _replied(exc: Exception) -> bool:
+    """An error Redis answered for one call (the round trip itself worked)."""
+    return isinstance(exc, ResponseError)
 
 
 def encode_incarnation(incarnation: int) -> str:
@@ -119,8 +128,8 @@ class RedisPrefixIndex:
     """A shared prefix index in Redis (see the module docstring for layout and behaviour).
 
     Counters, for the router's metrics: `lookups`, `unknown` (returned None), `fallbacks` (None
-    at once because the breaker is open), `timeouts`, `errors`, `round_trips` (commands the
-    lookups sent: 1 each unless a script had to be reloaded), `script_loads`, `writes_enqueued`,
+    at once because the breaker is open), `timeouts`, `errors`, `round_trips` (pipelined round
+    trips to Redis, lookups and writes together), `script_loads`, `writes_enqueued`,
     `writes_applied`, `writes_dropped` (queue full, breaker open, or closed), `writes_failed`
     (sent but Redis failed), `stale_writes` (older incarnation, ignored), `incarnations_replaced`,
     `cap_evictions` (entries dropped by the per-replica cap), `breaker_state`; `counters()` has
@@ -197,6 +206,7 @@ class RedisPrefixIndex:
         self._lookup = Script(LOOKUP)
         self._write = Script(WRITE)
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
+        self._caller = ScriptCaller(self._redis, self.breaker, stall_s=socket_timeout_s)
 
         self._queue: asyncio.Queue[_Op] = asyncio.Queue(maxsize=write_queue_size)
         self._worker: asyncio.Task[None] | None = None
@@ -208,8 +218,6 @@ class RedisPrefixIndex:
         self.fallbacks = 0
         self.timeouts = 0
         self.errors = 0
-        self.round_trips = 0
-        self.script_loads = 0
         self.writes_enqueued = 0
         self.writes_applied = 0
         self.writes_dropped = 0
@@ -226,6 +234,14 @@ class RedisPrefixIndex:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def round_trips(self) -> int:
+        return self._caller.round_trips
+
+    @property
+    def script_loads(self) -> int:
+        return self._caller.script_loads
 
     @property
     def pending_writes(self) -> int:
@@ -265,62 +281,36 @@ class RedisPrefixIndex:
         if self._closed:
             self.unknown += 1
             return None
-        if not self.breaker.allow():
-            self.unknown += 1
-            self.fallbacks += 1
-            return None
         valid = [(rid, inc) for rid, inc in candidates if "\0" not in rid]  # NUL separates
         if not valid:
             return {}
         try:
             packed = "\0".join(f"{rid}\0{encode_incarnation(inc)}" for rid, inc in valid)
             args: list[Arg] = [self.key_prefix, self._now_arg(), chain_blob(hashes), packed]
-            async with asyncio.timeout(self.lookup_budget_s):
-                raw = await self._eval(self._lookup, args, count=True)
+            raw = await self._caller.call(self._lookup, args, budget_s=self.lookup_budget_s)
             counts = [int(x) for x in raw.split(b",")]
             out: dict[str, PrefixMatch] = {}
             for c, (rid, _inc) in enumerate(valid):
                 matched = counts[2 * c]
                 if matched:
                     out[rid] = PrefixMatch(rid, matched, counts[2 * c + 1])
-        except asyncio.CancelledError:
-            self.breaker.abandon()
-            raise
-        except TimeoutError:
+        except StoreUnavailableError as exc:  # not sent: the breaker is open (or overload)
+            self.unknown += 1
+            if exc.reason == "open":
+                self.fallbacks += 1
+            else:
+                self.errors += 1
+            return None
+        except StoreTimeoutError:
             self.timeouts += 1
             self.unknown += 1
-            self.breaker.record_failure()
             return None
         except Exception as exc:  # Redis down, reset, bad reply: all mean "unknown"
             self.errors += 1
             self.unknown += 1
-            self.breaker.record_failure()
             log.debug("prefix index lookup failed: %r", exc)
             return None
-        self.breaker.record_success()
         return out
-
-    async def _eval(self, script: Script, args: Sequence[Arg], *, count: bool = False) -> Any:
-        if count:
-            self.round_trips += 1
-        try:
-            return await self._command("EVALSHA", script.sha, 0, *args)
-        except NoScriptError:
-            if count:
-                self.round_trips += 2
-            await self._load(script)
-            return await self._command("EVALSHA", script.sha, 0, *args)
-
-    async def _command(self, *args: Arg) -> Any:
-        return await self._redis.execute_command(*args)  # type: ignore[no-untyped-call]
-
-    async def _load(self, script: Script) -> None:
-        self.script_loads += 1
-        sha = await self._command("SCRIPT", "LOAD", script.source)
-        if isinstance(sha, bytes):
-            sha = sha.decode()
-        if sha != script.sha:  # pragma: no cover - Redis hashes scripts with SHA-1 too
-            script.sha = str(sha)
 
     # -- writes (queued; never block the caller) -------------------------------------------------
     async def record_stored(self, replica_id: str, incarnation: int, hashes: Sequence[int]) -> None:
@@ -448,35 +438,25 @@ class RedisPrefixIndex:
         ops = clears + batch
         if not ops:
             return
-        if not self.breaker.allow():
-            self._drop(batch)
-            return
         self._pending_clears.clear()
         calls = [(op, c) for op in ops for c in self._calls(op)]
+        work = [(self._write, args) for _, args in calls]
         try:
-            async with asyncio.timeout(self.write_timeout_s):
-                results = await self._pipeline([c for _, c in calls])
-                missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-                if missing:
-                    await self._load(self._write)
-                    again = await self._pipeline([calls[i][1] for i in missing])
-                    for i, r in zip(missing, again, strict=True):
-                        results[i] = r
-        except asyncio.CancelledError:
-            self.breaker.abandon()
-            for op in ops:
-                if op.kind == "c":
-                    self._pending_clears[op.replica] = None
-            raise
-        except Exception as exc:
-            self.breaker.record_failure()
-            self.writes_failed += sum(op.kind != "c" for op in batch)
-            for op in ops:
-                if op.kind == "c":
-                    self._pending_clears[op.replica] = None
-            log.debug("prefix index write failed: %r", exc)
+            results = await self._caller.call_many(work, budget_s=self.write_timeout_s)
+        except StoreUnavailableError:  # not sent: the breaker is open
+            self._keep_clears(clears)
+            self._drop(batch)
             return
-        self.breaker.record_success()
+        except asyncio.CancelledError:
+            self._keep_clears(ops)
+            raise
+        # an exception other than an error reply: the round trip failed (timeout, connection)
+        lost = next((r for r in results if isinstance(r, Exception) and not _replied(r)), None)
+        if lost is not None:
+            self.writes_failed += sum(op.kind != "c" for op in batch)
+            self._keep_clears(ops)
+            log.debug("prefix index write failed: %r", lost)
+            return
         failed: set[int] = set()
         stale: set[int] = set()
         for (op, _), res in zip(calls, results, strict=True):
@@ -498,18 +478,10 @@ class RedisPrefixIndex:
             else:
                 self.writes_applied += 1
 
-    async def _pipeline(self, calls: Sequence[Sequence[Arg]]) -> list[Any]:
-        if len(calls) == 1:  # a pipeline object costs more than the call itself
-            try:
-                return [await self._command("EVALSHA", self._write.sha, 0, *calls[0])]
-            except (RedisConnectionError, RedisTimeoutError):
-                raise  # the connection failed: as a pipeline would
-            except RedisError as exc:
-                return [exc]  # the command failed (NOSCRIPT, a script error): per-call result
-        pipe = self._redis.pipeline(transaction=False)
-        for args in calls:
-            pipe.execute_command("EVALSHA", self._write.sha, 0, *args)
-        return list(await pipe.execute(raise_on_error=False))
+    def _keep_clears(self, ops: list[_Op]) -> None:
+        for op in ops:
+            if op.kind == "c":
+                self._pending_clears[op.replica] = None
 
     def _drop(self, batch: list[_Op]) -> None:
         """The breaker is open: drop data writes (counted), keep clears for later."""
@@ -553,6 +525,7 @@ class RedisPrefixIndex:
             self._queue.task_done()
             dropped += 1
         self.writes_dropped += dropped
+        await self._caller.aclose()
         try:
             async with asyncio.timeout(max(1.0, 2 * self._connect_timeout_s)):
                 await self._redis.aclose(close_connection_pool=True)

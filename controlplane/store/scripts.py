@@ -6,23 +6,21 @@ clock. This module holds the parts they have in common:
 
 - `LUA_NOW`: the Lua preamble that sets `now` (ms) from `ARGV[2]` when a test passes a fixed
   time, else from Redis `TIME`;
-- `Script`: a script's source and SHA-1, and `evalsha`, which reloads it after a Redis restart
-  (NOSCRIPT) and calls it again;
-- `script_client`: a pooled asyncio client with no hidden retries (each store keeps its own time
-  budget and circuit breaker), after the URL guard of `check_url`;
+- `Script`: a script's source and SHA-1 (`caller.ScriptCaller` calls it by EVALSHA and loads it
+  again after a Redis restart);
+- `script_client`: a pooled asyncio client with no hidden retries (the caller keeps the time
+  budgets and the circuit breaker), after the URL guard of `check_url`;
 - `check_key_prefix`: key prefixes are plain words (no spaces, no `{}` hash-tag braces).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import NoScriptError
 
 from controlplane.errors import ConfigError
 
@@ -43,16 +41,6 @@ class Script:
     def __init__(self, source: str) -> None:
         self.source = source
         self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
-async def evalsha(client: aioredis.Redis, script: Script, args: Sequence[Any]) -> Any:
-    """Run `script` with no keys and `args`; load it again when Redis lost it (a restart)."""
-    run: Any = client.execute_command
-    try:
-        return await run("EVALSHA", script.sha, 0, *args)
-    except NoScriptError:
-        await run("SCRIPT", "LOAD", script.source)
-        return await run("EVALSHA", script.sha, 0, *args)
 
 
 def check_key_prefix(prefix: str, what: str) -> None:

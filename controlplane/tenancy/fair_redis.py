@@ -21,10 +21,11 @@ while it was only slow, is repaired by the next call; decode charges and refunds
 locally (`charge`) and travel with the next call as one numbered batch, applied at most once
 (a batch whose reply was lost is sent again under the same number). Scripts: `fair_lua.py`.
 
-**Redis unreachable**: each call has a time budget (`fairness.shared_timeout_ms`, default 25 ms);
-a circuit breaker (3 consecutive failures, one probe after a 1 s cool-down) makes a dead Redis
-free. `call` answers None when Redis did not decide; the queue then runs on its own
-(`router/fairness/shared.py`).
+**Redis unreachable**: each call has a time budget (`fairness.shared_timeout_ms`, default 25 ms)
+from when it is sent, through the shared `controlplane.store.caller.ScriptCaller` (concurrent
+calls pipelined; only Redis-side failures count); a circuit breaker (3 consecutive failures, one
+probe after a 1 s cool-down) guards `call` and makes a dead Redis free. `call` answers None when
+Redis did not decide; the queue then runs on its own (`router/fairness/shared.py`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from controlplane.errors import StoreUnavailableError
 from controlplane.store.breaker import BreakerState, CircuitBreaker
-from controlplane.store.scripts import Script, check_key_prefix, evalsha, script_client
+from controlplane.store.caller import ScriptCaller
+from controlplane.store.scripts import Script, check_key_prefix, script_client
 from controlplane.store.urls import check_url
 from controlplane.tenancy.fair_lua import ADMIT, SYNC, VIEW
 
@@ -126,6 +129,7 @@ class SharedFairStore:
             connect_timeout_s=min(max(timeout_s, 0.1), 1.0),
             password=password,
         )
+        self._caller = ScriptCaller(self._redis, self.breaker, stall_s=max(timeout_s, 1.0))
         self._scripts = {"a": Script(ADMIT), "s": Script(SYNC), "v": Script(VIEW)}
         self._pending: dict[str, float] = {}
         self._unconfirmed: tuple[int, dict[str, float]] | None = None
@@ -155,8 +159,8 @@ class SharedFairStore:
 
     # -- calls -------------------------------------------------------------------------------------
     async def _run(self, script: Script, args: list[str], timeout_s: float) -> Any:
-        async with asyncio.timeout(timeout_s):
-            return await evalsha(self._redis, script, args)
+        """An unguarded script call with a budget of `timeout_s` from its send."""
+        return await self._caller.call(script, args, budget_s=timeout_s, guarded=False)
 
     def _now(self) -> str:
         return "" if self._clock_ms is None else str(int(self._clock_ms()))
@@ -167,13 +171,21 @@ class SharedFairStore:
             self._unconfirmed, self._pending = (self._seq, self._pending), {}
         return self._unconfirmed or (0, {})
 
+    def _unbatch(self) -> None:
+        """The numbered batch just made was never sent: back into the pending charges."""
+        assert self._unconfirmed is not None
+        _, charges = self._unconfirmed
+        for tenant, delta in self._pending.items():
+            charges[tenant] = charges.get(tenant, 0.0) + delta
+        self._pending, self._unconfirmed = charges, None
+        self._seq -= 1
+
     async def call(
         self, state: RouterState, *, grant: bool, ttl_ms: int | None = None
     ) -> Reply | None:
         """SYNC (or ADMIT when `grant`) this router's state; None when Redis did not answer (or
         the breaker is open)."""
-        if not self.breaker.allow():
-            return None
+        fresh = self._unconfirmed is None
         batch, charges = self._batch()
         ttl = self.ttl_ms if ttl_ms is None else ttl_ms
         args = [self.key_prefix, self._now(), self.router_id, str(ttl), str(state.inflight)]
@@ -185,17 +197,19 @@ class SharedFairStore:
         for h in state.heads:
             args += [h.tenant, "1" if h.batch else "0", str(h.queued), repr(h.charge)]
             args += [str(h.reserved), str(max(0, h.age_ms))]
+        script = self._scripts["a" if grant else "s"]
         try:
-            raw = await self._run(self._scripts["a" if grant else "s"], args, self.timeout_s)
-        except asyncio.CancelledError:
-            self.breaker.abandon()
-            raise
+            raw = await self._caller.call(script, args, budget_s=self.timeout_s)
+        except StoreUnavailableError as exc:  # not sent: the charges wait for the next call
+            if fresh and batch:
+                self._unbatch()
+            if exc.reason != "open":  # refused by the breaker: nothing was tried
+                self.errors += 1
+            return None
         except Exception as exc:
             self.errors += 1
-            self.breaker.record_failure()
             log.debug("fair queue state unreachable: %r", exc)
             return None
-        self.breaker.record_success()
         if batch:
             self._unconfirmed = None
         ok, what, counter, routers, free, backlogged = raw
@@ -248,6 +262,7 @@ class SharedFairStore:
 
     async def aclose(self) -> None:
         await self.leave()
+        await self._caller.aclose()
         try:
             async with asyncio.timeout(1.0):
                 await self._redis.aclose(close_connection_pool=True)

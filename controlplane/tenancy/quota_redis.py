@@ -20,13 +20,19 @@ request must fit the quota), SETTLE replaces one open reservation by its usage (
 Redis TIME, each sweeping expired reservations, so a router that dies leaves no open reservation
 past the TTL (its tokens stay charged at the reserved amount).
 
-**Redis unreachable** (a call failed or timed out, or the circuit breaker is open): a hard quota
-refuses with `QuotaUnavailableError` (503); a soft one reserves against a local
+**Calls** go through the shared `controlplane.store.caller.ScriptCaller`: concurrent
+reservations are pipelined on a couple of connections, a call's `timeout_s` budget runs from when
+its round trip is sent (a burst queueing in the router is not an outage), and only reservations
+are guarded by the circuit breaker (settles, heartbeats and stats are not).
+
+**Redis unreachable** (a reservation failed or timed out, or the circuit breaker is open): a hard
+quota refuses with `QuotaUnavailableError` (503); a soft one reserves against a local
 `MemoryQuotaStore` with this router's share, `quota // live routers` (the last heartbeat count,
 or `expected_routers` before Redis ever answered). A settle that cannot reach Redis is retried by
 the heartbeat task until the reservation's TTL (then the sweeper has charged it in full); a
-reservation whose reply was lost (timeout) expires the same way: both err on charging too much.
-A reserve cancelled mid-call settles its reservation (0 tokens) when the reply arrives.
+reservation whose reply never came expires the same way: both err on charging too much. A
+reserve whose caller was cancelled, or gave up at its budget, settles its reservation (0 tokens)
+if the reply arrives after all.
 """
 
 from __future__ import annotations
@@ -40,9 +46,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from controlplane.errors import QuotaUnavailableError
+from controlplane.errors import QuotaUnavailableError, StoreUnavailableError
 from controlplane.store.breaker import BreakerState, CircuitBreaker
-from controlplane.store.scripts import Script, check_key_prefix, evalsha, script_client
+from controlplane.store.caller import ScriptCaller
+from controlplane.store.scripts import Script, check_key_prefix, script_client
 from controlplane.store.urls import check_url
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import (
@@ -104,6 +111,7 @@ class RedisQuotaStore:
             connect_timeout_s=min(timeout_s, 1.0),
             password=password,
         )
+        self._caller = ScriptCaller(self._redis, self.breaker, stall_s=max(timeout_s, 1.0))
         self._scripts = {n: Script(s) for n, s in [("r", RESERVE), ("s", SETTLE), ("t", STATS)]}
         self._heartbeat = Script(HEARTBEAT)
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -128,9 +136,8 @@ class RedisQuotaStore:
         return [self.key_prefix, now, tenant_id, win, str(self.window), str(self.ttl_ms)]
 
     async def _call(self, script: Script, args: list[str], timeout_s: float) -> Any:
-        """EVALSHA within `timeout_s` (the script is loaded again after a Redis restart)."""
-        async with asyncio.timeout(timeout_s):
-            return await evalsha(self._redis, script, args)
+        """An unguarded script call with a budget of `timeout_s` from its send."""
+        return await self._caller.call(script, args, budget_s=timeout_s, guarded=False)
 
     # -- reserve ---------------------------------------------------------------------------------
     async def reserve(
@@ -145,24 +152,25 @@ class RedisQuotaStore:
         limit = tenant.quota_tokens
         if limit is None:
             return None
-        if self.breaker.allow():
-            args = self._args(tenant.tenant_id, tenant.quota_window_s)
-            args += [str(limit), str(prompt_tokens), str(sequences), str(max_tokens or 0)]
-            args.append(str(default_cap))
-            call = asyncio.ensure_future(self._call(self._scripts["r"], args, self.timeout_s))
-            try:
-                reply = await asyncio.shield(call)
-            except asyncio.CancelledError:
-                self.breaker.abandon()
-                call.add_done_callback(lambda f: self._orphan(f, tenant, prompt_tokens))
-                raise
-            except Exception as exc:
+        args = self._args(tenant.tenant_id, tenant.quota_window_s)
+        args += [str(limit), str(prompt_tokens), str(sequences), str(max_tokens or 0)]
+        args.append(str(default_cap))
+        try:
+            reply = await self._caller.call(
+                self._scripts["r"],
+                args,
+                budget_s=self.timeout_s,
+                on_orphan=lambda r: self._orphan(r, tenant, prompt_tokens),
+            )
+        except StoreUnavailableError as exc:
+            if exc.reason != "open":  # refused by the breaker: nothing was tried
                 self.errors += 1
-                self.breaker.record_failure()
-                log.warning("quota store unreachable: %r", exc)
-            else:
-                self.breaker.record_success()
-                return self._reply(tenant, limit, prompt_tokens, sequences, max_tokens, reply)
+                log.warning("quota store unavailable: %s", exc)
+        except Exception as exc:
+            self.errors += 1
+            log.warning("quota store unreachable: %r", exc)
+        else:
+            return self._reply(tenant, limit, prompt_tokens, sequences, max_tokens, reply)
         self.fallbacks += 1
         if tenant.quota_mode == "hard":
             raise QuotaUnavailableError(
@@ -208,11 +216,10 @@ class RedisQuotaStore:
             window_s=tenant.quota_window_s,
         )
 
-    def _orphan(self, fut: asyncio.Future[Any], tenant: Tenant, prompt: int) -> None:
-        """A reserve whose caller was cancelled: give back what it reserved, if anything."""
-        if fut.cancelled() or fut.exception() is not None:
-            return
-        rid, amount, window_s = int(fut.result()[0]), int(fut.result()[6]), tenant.quota_window_s
+    def _orphan(self, reply: list[Any], tenant: Tenant, prompt: int) -> None:
+        """A reserve whose caller is gone (cancelled, or gave up at its budget) was answered
+        anyway: give back what it reserved, if anything."""
+        rid, amount, window_s = int(reply[0]), int(reply[6]), tenant.quota_window_s
         if rid:
             res = Reservation(
                 tenant.tenant_id, rid, prompt, amount, 0, 0, 0, 0.0, "redis", window_s
@@ -322,6 +329,7 @@ class RedisQuotaStore:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._caller.aclose()
         try:
             async with asyncio.timeout(1.0):
                 await self._redis.aclose(close_connection_pool=True)

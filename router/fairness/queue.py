@@ -85,8 +85,9 @@ class Ticket:
 
 
 def entry_for(tenant: Tenant, req: RoutingRequest) -> QueueEntry:
-    """What the queue knows of a request: KV reserved = prompt + predicted output."""
-    reserved = req.prompt_tokens + max(1, req.predicted_output_tokens)
+    """What the queue knows of a request: KV reserved = every prompt's tokens + the predicted
+    output of each sequence (a completions batch or `n` > 1 holds several)."""
+    reserved = req.prompt_tokens + req.sequences * max(1, req.predicted_output_tokens)
     return QueueEntry(tenant.tenant_id, tenant.priority, tenant.weight, req.prompt_tokens, reserved)
 
 

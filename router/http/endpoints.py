@@ -24,6 +24,7 @@ from controlplane.errors import AuthError, ConfigError, NotFoundError, RequestEr
 from router.config import ReplicaConfig, RouterSettings, TenantConfig
 from router.fairness.tenants import tenant_of, tenant_view
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
+from router.http.prompts import check_prompt_count
 from router.http.relay import serve_request
 from router.runtime import RouterRuntime
 
@@ -44,6 +45,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 
 @openai_routes.post("/v1/completions", response_model=None)
 async def completions(request: Request, body: CompletionRequest) -> Response:
+    check_prompt_count(request.app.state.settings.limits, body)  # 400 before any tokenizing
     return await serve_request(_rt(request), request, body, "/v1/completions")
 
 

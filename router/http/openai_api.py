@@ -200,7 +200,8 @@ def error_body(
 def error_of(exc: ControlPlaneError) -> tuple[int, dict[str, Any]]:
     status = int(getattr(exc, "status_code", 500))
     code = getattr(exc, "openai_code", None) or type(exc).__name__
-    return status, error_body(status, str(exc) or type(exc).__name__, code=code)
+    param = getattr(exc, "param", None)
+    return status, error_body(status, str(exc) or type(exc).__name__, param=param, code=code)
 
 
 def sse_error_event(status: int, message: str, code: str) -> bytes:

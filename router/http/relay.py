@@ -41,6 +41,7 @@ from controlplane.tenancy.identity import KeyRejected
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import Reservation
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
+from router.http.prompts import quota_prompt_tokens, sequences
 from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage
 from router.runtime import RouterRuntime
 from router.scope import Outcome, RequestScope
@@ -336,12 +337,17 @@ async def reserve_quota(
     (None: no quota); a request without max_tokens gets the quota's cap injected."""
     limits, q = rt.settings.limits, rt.settings.quota
     default_cap = min(limits.default_max_tokens or q.default_max_tokens, limits.max_tokens)
-    best_of = (body.model_extra or {}).get("best_of")
-    n = max(body.n, best_of if isinstance(best_of, int) else 1)
-    prompts = len(body.prompts()) if isinstance(body, CompletionRequest) else 1
+    # approx tokenizer: an upper bound of what the replica will count, not the estimate
+    prompt_tokens = quota_prompt_tokens(
+        rt.tokenizer.mode, q.approx_template_tokens, body, prompt_tokens
+    )
     try:
         return await rt.quotas.reserve(
-            tenant, prompt_tokens, body.output_cap, default_cap=default_cap, sequences=n * prompts
+            tenant,
+            prompt_tokens,
+            body.output_cap,
+            default_cap=default_cap,
+            sequences=sequences(body),
         )
     except (QuotaExceededError, QuotaUnavailableError) as exc:
         rt.metrics.quota_rejections.labels(tenant.tenant_id, exc.reason).inc()

@@ -1,10 +1,10 @@
-"""Fixtures for tests that need Redis: a private redis-server per test, and index factories.
+"""Fixtures for tests that need Redis: a private redis-server per test, and store factories.
 
 `redis_server` starts a throwaway server (free loopback port, no persistence, temp dir; never
-6379) and on teardown asserts the process is gone. `make_index` builds `RedisPrefixIndex`es
-against it and on teardown closes them and asserts that they left no asyncio task and no open
-connection behind. Tests using them carry the `redis` marker and are skipped when `redis-server`
-is not installed.
+6379) and on teardown asserts the process is gone. `make_index` (`RedisPrefixIndex`es) and
+`make_store` (`RedisQuotaStore`s) build stores against it and on teardown close them and assert
+that they left no asyncio task and no open connection behind. Tests using them carry the `redis`
+marker and are skipped when `redis-server` is not installed.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ import redis
 from redis_server import RedisServer, available
 
 from controlplane.prefix.redis_index import RedisPrefixIndex
+from controlplane.tenancy.quota_redis import RedisQuotaStore
 from deploy.processes import group_alive
 
 INDEX_CLIENT_NAME = "cp-test-index"
+QUOTA_CLIENT_NAME = "cp-test-quota"
 
 
 @pytest.fixture
@@ -95,5 +97,35 @@ async def make_index(
             while index_clients(admin) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert index_clients(admin) == 0, "index connections left open"
+        finally:
+            admin.close()
+
+
+@pytest.fixture
+async def make_store(redis_server: RedisServer) -> AsyncIterator[Callable[..., RedisQuotaStore]]:
+    """Stores on the private server; teardown closes them and checks nothing was left behind."""
+    before = asyncio.all_tasks()
+    made: list[RedisQuotaStore] = []
+
+    def factory(**kwargs: Any) -> RedisQuotaStore:
+        kwargs.setdefault("client_name", QUOTA_CLIENT_NAME)
+        kwargs.setdefault("timeout_s", 2.0)
+        store = RedisQuotaStore(kwargs.pop("url", redis_server.url), **kwargs)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        await store.aclose()
+    await asyncio.sleep(0)
+    leaked = {t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()}
+    assert not {t for t in leaked if not t.done()}, f"leaked tasks: {leaked}"
+    if redis_server.running:
+        admin = redis.Redis.from_url(redis_server.url, socket_timeout=2)
+        try:
+            clients: list[dict[str, Any]] = admin.client_list()
+            assert not [c for c in clients if c.get("name") == QUOTA_CLIENT_NAME], (
+                "connections left open"
+            )
         finally:
             admin.close()

@@ -1,4 +1,5 @@
-"""The router app served by uvicorn on a free loopback port, in a thread of the test process.
+"""The router app served by uvicorn on a free loopback port, in a thread of the test process,
+exactly as `controlplane serve` serves it (`RouterHttpServer`: the guarded HTTP protocol).
 
     with RouterServer(settings) as router:
         OpenAI(base_url=f"{router.url}/v1", api_key="x")
@@ -17,9 +18,9 @@ from types import TracebackType
 from typing import Any
 
 import httpx
-import uvicorn
 
 from router.config import RouterSettings
+from router.http.server import RouterHttpServer
 from router.http.service import create_app
 from router.runtime import RouterRuntime
 
@@ -28,19 +29,18 @@ class RouterServer:
     def __init__(self, settings: RouterSettings, *, ready_timeout_s: float = 20.0) -> None:
         self.settings = settings
         self.app = create_app(settings)
-        self.config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=0, log_config=None, access_log=False, lifespan="on"
-        )
-        self.server = uvicorn.Server(self.config)
+        self.http = RouterHttpServer(settings, self.app, host="127.0.0.1", port=0)
+        self.server = self.http.server
         self.thread = threading.Thread(target=self._run, name="router", daemon=True)
         self.ready_timeout_s = ready_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.url = ""
+        self.metrics_url = ""
 
     def _run(self) -> None:
         self.loop = asyncio.new_event_loop()
         asyncio.set_event_loop(self.loop)
-        self.loop.run_until_complete(self.server.serve())
+        self.loop.run_until_complete(self.http.serve())
         self.loop.close()
 
     @property
@@ -67,8 +67,10 @@ class RouterServer:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the router did not start")
             time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        ports = self.http.ports
+        self.url = f"http://127.0.0.1:{ports['main']}"
+        if "metrics" in ports:  # telemetry.metrics_port: /metrics on a listener of its own
+            self.metrics_url = f"http://127.0.0.1:{ports['metrics']}"
         return self
 
     def wait_ready(self, replicas: int, timeout_s: float = 20.0) -> None:

@@ -135,7 +135,7 @@ def test_chats_keep_their_first_tokens_beside_a_backlogged_document_tenant(
             "telemetry": {"log_level": "INFO"},
         }
         # its own process, as in production: the client's work here takes no time from it
-        router = RouterProcess(config, Path("/tmp/gatelog"), 0)
+        router = RouterProcess(config, Path(tmp), 0)
         router.start()
         alone: list[float] = []
         both: list[float] = []

@@ -12,11 +12,10 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis
 from redis_server import RedisServer
 
 from controlplane.errors import QuotaExceededError, QuotaUnavailableError
@@ -29,35 +28,6 @@ from deploy.processes import Child, spawn
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 
 Factory = Callable[..., RedisQuotaStore]
-CLIENT = "cp-test-quota"
-
-
-@pytest.fixture
-async def make_store(redis_server: RedisServer) -> AsyncIterator[Factory]:
-    """Stores on the private server; teardown closes them and checks nothing was left behind."""
-    before = asyncio.all_tasks()
-    made: list[RedisQuotaStore] = []
-
-    def factory(**kwargs: Any) -> RedisQuotaStore:
-        kwargs.setdefault("client_name", CLIENT)
-        kwargs.setdefault("timeout_s", 2.0)
-        store = RedisQuotaStore(kwargs.pop("url", redis_server.url), **kwargs)
-        made.append(store)
-        return store
-
-    yield factory
-    for store in made:
-        await store.aclose()
-    await asyncio.sleep(0)
-    leaked = {t for t in asyncio.all_tasks() - before if t is not asyncio.current_task()}
-    assert not {t for t in leaked if not t.done()}, f"leaked tasks: {leaked}"
-    if redis_server.running:
-        admin = redis.Redis.from_url(redis_server.url, socket_timeout=2)
-        try:
-            clients: list[dict[str, Any]] = admin.client_list()
-            assert not [c for c in clients if c.get("name") == CLIENT], "connections left open"
-        finally:
-            admin.close()
 
 
 async def try_reserve(

@@ -398,7 +398,8 @@ async def test_store_unreachable_hard_fails_closed_soft_admits_its_share() -> No
         telemetry={"json_logs": False},
         redis={"url": f"redis://127.0.0.1:{closed_port()}/0"},
         tenants=[tenant("h", hard_key, "hard"), tenant("s", soft_key, "soft")],
-        quota={"expected_routers": 4, "timeout_ms": 200},
+        # a share of 100 tokens: the approx bound without template allowance fits a few requests
+        quota={"expected_routers": 4, "timeout_ms": 200, "approx_template_tokens": 0},
     )
     runtime = RouterRuntime(s, transport=fakes.transport)
     app = create_app(s, runtime=runtime)
