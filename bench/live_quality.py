@@ -61,7 +61,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.replay import replay, with_policy
-from controlplane.traces.model import Trace, TraceRequest
+from controlplane.traces.model import Trace
+from controlplane.traces.tokens import token_trace
 from deploy.redis_local import RedisServer, available
 from deploy.tiny_model import CORPUS
 
@@ -122,27 +123,13 @@ def to_trace(
     arrivals: list[float], tokens: list[list[int]], max_tokens: int, speed: float
 ) -> Trace:
     """Chained content ids per full 32-token block; arrivals in roofline time (x speed)."""
-    ids: dict[tuple[int, tuple[int, ...]], int] = {}
-    reqs = []
-    for i, (t, toks) in enumerate(zip(arrivals, tokens, strict=True)):
-        chain: list[int] = []
-        prev = -1
-        for b in range(len(toks) // BLOCK):
-            key = (prev, tuple(toks[b * BLOCK : (b + 1) * BLOCK]))
-            prev = ids.setdefault(key, len(ids))
-            chain.append(prev)
-        reqs.append(
-            TraceRequest(
-                arrival_s=t * speed,
-                prompt_tokens=len(toks),
-                output_tokens=max_tokens,
-                content_ids=tuple(chain),
-                id_block_tokens=BLOCK,
-                max_tokens=max_tokens,
-                request_id=f"req-{i}",
-            )
-        )
-    return Trace("live-shared-prefix", tuple(reqs)).sorted()
+    return token_trace(
+        "live-shared-prefix",
+        [t * speed for t in arrivals],
+        tokens,
+        output_tokens=max_tokens,
+        block=BLOCK,
+    )
 
 
 async def replay_live(

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from controlplane.cli import app
@@ -285,15 +293,7 @@ def replay_cmd(
         f"[bold]{tr.name}[/]: {len(tr)} requests over {tr.duration_s:.0f}s; "
         f"{replicas} x {prof.label} ({prof.num_gpu_blocks} blocks of {prof.resolved_block_size})"
     )
-    with progress_bar() as bar:
-        tasks: dict[str, object] = {}
-
-        def start(name: str) -> None:
-            tasks["current"] = bar.add_task(name, total=len(tr))
-
-        def advance(done: int) -> None:
-            bar.update(tasks["current"], completed=done)  # type: ignore[arg-type]
-
+    with progress_runs(len(tr)) as (start, advance):
         if modes:
             share = batch_kv_share
             if interactive_tpot_target > 0:
@@ -329,8 +329,13 @@ def write_report(report: ReplayReport, json_path: Path | None, plot: Path | None
         out.print(f"wrote {plot}")
 
 
-def progress_bar() -> Progress:
-    return Progress(
+@contextlib.contextmanager
+def progress_runs(
+    total: int,
+) -> Iterator[tuple[Callable[[str], None], Callable[[int], None]]]:
+    """A progress bar per run of `total` requests: `start(name)` opens the next run's bar,
+    `advance(done)` moves it."""
+    bar = Progress(
         TextColumn("{task.description:<20}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -338,6 +343,16 @@ def progress_bar() -> Progress:
         console=out,
         transient=True,
     )
+    with bar:
+        current: list[TaskID] = []
+
+        def start(name: str) -> None:
+            current[:] = [bar.add_task(name, total=total)]
+
+        def advance(done: int) -> None:
+            bar.update(current[0], completed=done)
+
+        yield start, advance
 
 
 def replay_fair(

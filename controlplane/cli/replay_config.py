@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from controlplane.cli.common import build_profile, build_trace
-from controlplane.cli.replay import out, progress_bar, write_report
+from controlplane.cli.replay import out, progress_runs, write_report
 from controlplane.errors import ConfigError
 from controlplane.sim.fleet import FleetConfig
 from controlplane.sim.replay import replay_arms
@@ -91,15 +91,7 @@ def replay_router_config(
         f"[bold]{tr.name}[/]: {len(tr)} requests over {tr.duration_s:.0f}s; {config.replicas} x "
         f"{config.profile.label}; router config {path}: arms {arms}, fair queue {queue}"
     )
-    with progress_bar() as bar:
-        tasks: dict[str, Any] = {}
-
-        def start(label: str) -> None:
-            tasks["current"] = bar.add_task(label, total=len(tr))
-
-        def advance(done: int) -> None:
-            bar.update(tasks["current"], completed=done)
-
+    with progress_runs(len(tr)) as (start, advance):
         report = replay_arms(
             tr,
             config,

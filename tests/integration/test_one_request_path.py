@@ -24,7 +24,7 @@ from sim_fleet import SimReplica
 
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig, FleetSim
-from controlplane.traces.model import Trace, TraceRequest
+from controlplane.traces.tokens import token_trace
 from deploy.tiny_model import CORPUS, default_model_dir, make_tiny_model
 
 BLOCK = 32
@@ -54,29 +54,6 @@ def prompts(seed: int = 7) -> list[str]:
         f"{docs[d]} question {i}: {' '.join(rng.choice(words) for _ in range(6))}"
         for i, d in enumerate(order)
     ]
-
-
-def to_trace(tokens: list[list[int]]) -> Trace:
-    """The requests as the simulator takes them: chained content ids per full block."""
-    ids: dict[tuple[int, tuple[int, ...]], int] = {}
-    reqs = []
-    for i, toks in enumerate(tokens):
-        chain, prev = [], -1
-        for b in range(len(toks) // BLOCK):
-            prev = ids.setdefault((prev, tuple(toks[b * BLOCK : (b + 1) * BLOCK])), len(ids))
-            chain.append(prev)
-        reqs.append(
-            TraceRequest(
-                arrival_s=i * GAP_S,
-                prompt_tokens=len(toks),
-                output_tokens=MAX_TOKENS,
-                content_ids=tuple(chain),
-                id_block_tokens=BLOCK,
-                max_tokens=MAX_TOKENS,
-                request_id=f"req-{i}",
-            )
-        )
-    return Trace("one-request-path", tuple(reqs))
 
 
 def test_the_simulator_and_the_router_book_the_same(model_dir: Path) -> None:
@@ -121,7 +98,14 @@ def test_the_simulator_and_the_router_book_the_same(model_dir: Path) -> None:
     )
     sim = FleetSim(config)
     sim.routers[0].books.journal = []
-    result = sim.run(to_trace(tokens))
+    trace = token_trace(
+        "one-request-path",
+        [i * GAP_S for i in range(len(tokens))],
+        tokens,
+        output_tokens=MAX_TOKENS,
+        block=BLOCK,
+    )
+    result = sim.run(trace)
     assert all(rec.completed for rec in result.records)
     sim_journal = sim.routers[0].books.journal
 

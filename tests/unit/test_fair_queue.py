@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from controlplane.errors import CapacityError
+from controlplane.errors import CapacityError, NoReadyReplicaError
 from controlplane.roofline.profile import profile
 from controlplane.tenancy.config import FairnessConfig
 from controlplane.tenancy.model import Tenant
@@ -229,3 +229,37 @@ async def test_a_waiter_cancelled_before_it_resumes_never_holds_a_slot() -> None
     q.release(holder)  # dispatch runs before the cancelled task does
     await settle()
     assert waiter.cancelled() and q.admitted == 0 and q.queued == 0
+
+
+async def test_the_prefill_gate_spreads_long_prompts_and_opens_at_the_first_token() -> None:
+    q = queue(slots=100, fleet=Fleet(replicas=2))
+    doc1 = await q.acquire(A, req(prompt=32_000))
+    doc2 = await q.acquire(A, req(prompt=32_000))
+    assert doc1.room == frozenset({"r0", "r1"})
+    assert doc2.room is not None and len(doc2.room) == 1  # the other replica: r0 is prefilling
+    q.place(doc1, "r0", PROFILE)
+    q.place(doc2, next(iter(doc2.room)), PROFILE)
+    doc3 = asyncio.create_task(q.acquire(A, req(prompt=32_000)))
+    chat = asyncio.create_task(q.acquire(B, req(prompt=200)))
+    await settle()
+    assert not doc3.done()  # every replica has a long prompt ahead of its first chunk
+    assert not chat.done()  # vLLM's default chunking: the document takes every step's budget
+    q.first_token(doc1)  # its prefill is done: r0 takes the next prompt (one: it is long)
+    done, pending = await asyncio.wait({doc3, chat}, timeout=1, return_when="FIRST_COMPLETED")
+    assert len(done) == 1 and len(pending) == 1
+    first = done.pop().result()
+    assert first.room == frozenset({"r0"})
+    q.place(first, "r0", PROFILE)
+    q.first_token(first)
+    second = await asyncio.wait_for(pending.pop(), 1)
+    assert second.room == frozenset({"r0"})
+    for t in (doc1, doc2, first, second):
+        q.release(t)
+    assert q.admitted == 0 and not any(b.requests for b in q.core.replicas.values())
+
+
+async def test_no_routable_replica_is_a_503_at_once_not_a_wait() -> None:
+    q = queue(fleet=Fleet(replicas=0))
+    with pytest.raises(NoReadyReplicaError):
+        await asyncio.wait_for(q.acquire(A, req()), 1)
+    assert q.queued == 0
