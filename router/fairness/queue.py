@@ -201,7 +201,9 @@ class FairQueue:
         try:
             await t.waiter
         except BaseException:
-            if not t.admitted:
+            if t.admitted:  # admitted as its caller left: nobody else will release it
+                self.release(t)
+            else:
                 self._forget(t)
             raise
         return t

@@ -6,7 +6,8 @@ its prompt says: answer, die after k chunks, hang before or after the first chun
 with a 400. A real httpx client sends batches of concurrent requests with random endings:
 
     ok                 streamed or not, relayed whole
-    client_gone        the client closes its connection before the first chunk, or after k
+    client_gone        the client closes its connection before the first chunk (waiting in the
+                       router's queue, or at the replica), or after k
     replica_dies       the replica breaks the stream after k chunks
     timeout            no first chunk within ttft_s, or a gap over idle_s after k chunks
     replica_4xx        the replica refuses the request
@@ -147,6 +148,8 @@ def serve(redis_down: bool) -> Iterator[Stack]:
         "tenants": tenants,
         "timeouts": {"ttft_s": TTFT_S, "idle_s": IDLE_S},
         "limits": {"max_tokens": 64},
+        # two slots per replica: a batch queues in the router, and clients leave while queued
+        "fairness": {"slots_per_replica": 2},
         "telemetry": {"json_logs": False, "log_level": "WARNING"},
     }
     if redis_down:  # a port nobody listens on: index, quota and fair queue all lose Redis

@@ -263,3 +263,15 @@ async def test_no_routable_replica_is_a_503_at_once_not_a_wait() -> None:
     with pytest.raises(NoReadyReplicaError):
         await asyncio.wait_for(q.acquire(A, req()), 1)
     assert q.queued == 0
+
+
+async def test_a_waiter_admitted_as_its_caller_leaves_gives_its_slot_back() -> None:
+    q = queue(slots=1)
+    holder = await q.acquire(A, req())
+    waiter = asyncio.create_task(q.acquire(B, req()))
+    await settle()
+    q.release(holder)  # dispatch admits the waiter (its future is done) ...
+    waiter.cancel()  # ... and its caller leaves before the task resumes
+    await settle()
+    assert waiter.cancelled() and q.admitted == 0 and q.queued == 0
+    assert not any(b.requests for b in q.core.replicas.values())
