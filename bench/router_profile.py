@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import subprocess
 import sys
@@ -166,9 +167,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         redis.start()
         fleet = sim_fleet(2, speed=args.speed, max_num_seqs=256)
-        router = OurRouter(
-            fleet, redis_url=redis.url, extra={"tenants": tenants}, workers=args.workers
-        )
+        extra = {"tenants": tenants, **json.loads(args.extra)}
+        if "redis" in extra:
+            extra["redis"] = {**extra["redis"], "url": redis.url}
+        router = OurRouter(fleet, redis_url=redis.url, extra=extra, workers=args.workers)
         router.start()
         assert router.child is not None
         pgid = router.child.pgid
@@ -201,6 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": args.seconds,
         "workers": args.workers,
         "tenants": args.tenants,
+        "extra_config": json.loads(args.extra),
         "load": stats,
         "router_cpu_ms_per_request_incl_background": round((c1 - c0) / reqs * 1e3, 3),
         "profile": summarize(stacks, args.top),
@@ -218,6 +221,11 @@ def main() -> None:
     parser.add_argument("--speed", type=float, default=50.0, help="sim replicas' speed-up")
     parser.add_argument("--top", type=int, default=25, help="functions listed")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--extra",
+        default="{}",
+        help='router config merged in, as JSON (e.g. \'{"fairness": {"mode": "off"}}\')',
+    )
     args = parser.parse_args()
     data = run(args)
     prof = data["profile"]
