@@ -26,7 +26,10 @@ from router.http.splice import set_members, set_nested
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from bad_input_corpus import BAD_INPUTS, COMPLETIONS, ODD_BUT_VALID
 
-MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
+MODELS: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+    "chat": ChatCompletionRequest,
+    "completions": CompletionRequest,
+}
 FIELDS = (
     "endpoint", "model", "output_cap", "stream", "include_usage", "user",
     "sequences_per_prompt", "client_salt", "messages", "add_generation_prompt",
