@@ -7,6 +7,8 @@
          (the tenant's, a public prefix's, or in open mode the client's: `SaltPolicy`)
       4. arm = books.arm_for(request)                  (A/B split; one arm without a split)
       5. matches = index.lookup(hashes, routable)     None = unknown: route on load, counted
+         (with Redis, `prefetch` starts it before the quota and the fair queue, over every
+         routable replica; a fresh result is narrowed to the replicas the request may use)
       6. decision = books.decide(request, fleet.snapshot(), matches, arm)   pure
       7. books.commit -> index ops applied (speculate) BEFORE the request is sent
     reroute(routed)    the upstream never accepted it: move the reservation to the next candidate
@@ -28,6 +30,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from controlplane.errors import (
@@ -64,6 +67,24 @@ MAX_HASHERS = 4096
 # and template work, measured on the tiny model's tokenizer); smaller ones inline, where a
 # thread hop would cost more than the work
 THREAD_BYTES = 16 * 1024
+
+
+# a prefetched lookup older than this (the request waited in the fair queue) is done again
+PREFETCH_FRESH_S = 0.05
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """An index lookup started before the request's turn (see `RouterCore.prefetch`)."""
+
+    task: asyncio.Future[dict[str, PrefixMatch] | None]
+    replicas: frozenset[str]
+    started: float
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _tokenize_batch(tok: LocalTokenizer, prompts: list[str | list[int]]) -> tuple[Tokenized, int]:
@@ -194,20 +215,61 @@ class RouterCore:
         )
 
     # -- 4..7: the decision -----------------------------------------------------------------------
-    async def route(self, req: RoutingRequest, *, allowed: frozenset[str] | None = None) -> Routed:
+    def prefetch(self, req: RoutingRequest) -> Prefetch | None:
+        """Start the index lookup now, over every routable replica, so that its round trip to
+        Redis overlaps the quota's (None: nothing to overlap, the in-memory index answers at
+        once). `route` uses it while fresh, narrowed to the replicas it may choose."""
+        if self.index.kind == "memory" or not req.block_hashes:
+            return None
+        routable = [r.replica_id for r in self.fleet.snapshot().routable()]
+        if not routable:
+            return None
+        task = asyncio.ensure_future(self.index.lookup(req.block_hashes, routable))
+        return Prefetch(task, frozenset(routable), time.perf_counter())
+
+    @staticmethod
+    def discard(prefetched: Prefetch | None) -> None:
+        """A prefetched lookup that will not be used: let it finish on its own (a lookup never
+        raises; cancelling it mid-call would cost its Redis connection)."""
+        if prefetched is not None and not prefetched.task.done():
+            prefetched.task.add_done_callback(_quiet)
+
+    async def _lookup(
+        self, req: RoutingRequest, routable: list[str], prefetched: Prefetch | None
+    ) -> tuple[dict[str, PrefixMatch] | None, float]:
+        if prefetched is not None:
+            fresh = time.perf_counter() - prefetched.started < PREFETCH_FRESH_S
+            if fresh and prefetched.replicas.issuperset(routable):
+                found = await prefetched.task
+                took = time.perf_counter() - prefetched.started
+                if found is None:
+                    return None, took
+                return {r: m for r, m in found.items() if r in routable}, took
+            self.discard(prefetched)
+        t0 = time.perf_counter()
+        matches = await self.index.lookup(req.block_hashes, routable)
+        return matches, time.perf_counter() - t0
+
+    async def route(
+        self,
+        req: RoutingRequest,
+        *,
+        allowed: frozenset[str] | None = None,
+        prefetched: Prefetch | None = None,
+    ) -> Routed:
         """Choose a replica (among `allowed`, the ones the fair queue found room on, when any of
         them is still routable) and book it."""
         books = self.books
         arm = books.arm_for(req)
         routable = [r.replica_id for r in self.fleet.snapshot().routable()]
         if not routable:
+            self.discard(prefetched)
             raise NoReadyReplicaError("no ready replica: every replica is loading, ejected or gone")
         if allowed:
             routable = [r for r in routable if r in allowed] or routable
-        t0 = time.perf_counter()
-        matches: dict[str, PrefixMatch] | None = await self.index.lookup(req.block_hashes, routable)
+        matches, took = await self._lookup(req, routable, prefetched)
         outcome = "unknown" if matches is None else ("hit" if matches else "miss")
-        self.metrics.index_lookup_seconds.labels(outcome).observe(time.perf_counter() - t0)
+        self.metrics.index_lookup_seconds.labels(outcome).observe(took)
         if matches is None:
             self.metrics.fallbacks.labels("index_unknown").inc()
             matches = {}

@@ -316,12 +316,18 @@ async def _serve(
             session = f"{tenant.tenant_id}:{given}" if given else None
             built = await rt.core.build(req, request_id=rid, tenant=tenant, session=session)
             scope.request = built
-            scope.reservation = await reserve_quota(rt, tenant, req, built.prompt_tokens)
-            scope.admitted()  # demand for the autoscaler: admitted work, queued or not
-            # the tenant's turn in the fair queue (waits while no replica has room)
-            async with watch.cancellable():
-                scope.ticket = ticket = await rt.fairq.acquire(tenant, built)
-            routed = await rt.core.route(built, allowed=ticket.room)
+            # the index lookup's round trip overlaps the quota's: one on the critical path
+            lookup = rt.core.prefetch(built)
+            try:
+                scope.reservation = await reserve_quota(rt, tenant, req, built.prompt_tokens)
+                scope.admitted()  # demand for the autoscaler: admitted work, queued or not
+                # the tenant's turn in the fair queue (waits while no replica has room)
+                async with watch.cancellable():
+                    scope.ticket = ticket = await rt.fairq.acquire(tenant, built)
+            except BaseException:
+                rt.core.discard(lookup)
+                raise
+            routed = await rt.core.route(built, allowed=ticket.room, prefetched=lookup)
             scope.routed = routed
             rt.fairq.place(ticket, routed.replica_id, rt.profile_of(routed))
             for span in (sp, root):
