@@ -16,11 +16,14 @@ Reading the samples (py-spy's collapsed stacks, one line per distinct stack with
                      uvicorn/httptools, asyncio/uvloop, tokenizer, telemetry, ...); idle samples
                      (the loop waiting in epoll) are counted apart and left out of the shares
 
-CPU per request is the router process's CPU (from /proc) during the loaded window over the
-requests sent (its idle background is not subtracted here: see `router_overhead.py` for that).
+CPU per request is the router process's CPU (from /proc) during the loaded window, less its idle
+background (measured for a few seconds before the load: probes, scrapes, heartbeats), over the
+requests sent. `--variants` measures it (no profiler attached) with parts of the production setup
+taken away one at a time (quotas, the shared fair queue, the fair queue, following KV events), so
+the differences say what each part costs a request.
 
 Writes out/bench/router_profile.json, the raw stacks (router_profile.txt, for flame graph tools)
-and prints the tables.
+and prints the tables (`--variants`: router_profile_variants.json).
 """
 
 from __future__ import annotations
@@ -51,6 +54,22 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from router_overhead import chat_body
 
 from deploy.redis_local import RedisServer
+
+IDLE_S = 4.0
+# "where the time goes" by taking parts away: (label, tenants, extra router config); each run
+# measures CPU per request net of the router's idle background (no profiler attached)
+VARIANTS: tuple[tuple[str, int | None, dict[str, Any]], ...] = (
+    ("production: Redis index + KV events, 4 tenants with quotas, shared fair queue", None, {}),
+    ("- quotas (open mode, no tenants)", 0, {}),
+    ("- shared fair queue (local fair queue)", None, {"fairness": {"shared": False}}),
+    ("- fair queue (off)", None, {"fairness": {"mode": "off"}}),
+    ("- KV events followed by this router", None, {"redis": {"ingest_events": False}}),
+    (
+        "none of those: Redis index lookups only",
+        0,
+        {"fairness": {"mode": "off"}, "redis": {"ingest_events": False}},
+    ),
+)
 
 # (area, substrings of a frame's "function (file:line)" text), first match wins, innermost frame
 # first; a sample none matches is "other"
@@ -141,7 +160,8 @@ async def load(
 
     def make(i: int) -> tuple[str, str, bytes, Mapping[str, str]]:
         body = chat_body(rng, 12, 8)
-        return "router", f"{url}/v1/chat/completions", body, headers[i % len(headers)]
+        key = headers[i % len(headers)] if headers else {}
+        return "router", f"{url}/v1/chat/completions", body, key
 
     async with new_client() as client:
         await open_loop(client, rate, 2.0, make, rng)  # warm-up
@@ -157,7 +177,7 @@ async def load(
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, label: str = "production") -> dict[str, Any]:
     tenants, headers = bench_tenants(args.tenants)
     redis = RedisServer()
     fleet = None
@@ -180,13 +200,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "--subprocesses"]  # fmt: skip
         cols = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
         with Progress(*cols, console=console, transient=True) as progress:
-            progress.add_task(f"{args.rate:g} req/s for {args.seconds:g} s under py-spy")
-            spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            time.sleep(1.0)
-            c0 = cpu_s([pgid])
+            what = "under py-spy" if args.hz else "(no profile)"
+            progress.add_task(f"{label}: {args.rate:g} req/s for {args.seconds:g} s {what}")
+            i0, w0 = cpu_s([pgid]), time.perf_counter()
+            time.sleep(IDLE_S)  # the router's background: probes, scrapes, heartbeats
+            idle_rate = (cpu_s([pgid]) - i0) / (time.perf_counter() - w0)
+            if args.hz:
+                spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                time.sleep(1.0)
+            c0, w0 = cpu_s([pgid]), time.perf_counter()
             stats = asyncio.run(load(router.url, args.rate, args.seconds, headers, args.seed))
-            c1 = cpu_s([pgid])
-            spy.wait(timeout=60)
+            c1, w1 = cpu_s([pgid]), time.perf_counter()
+            if spy is not None:
+                spy.wait(timeout=60)
     finally:
         if spy is not None and spy.poll() is None:
             spy.terminate()
@@ -195,10 +221,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if fleet is not None:
             fleet.stop()
         redis.stop()
-    stacks = parse_collapsed(raw.read_text() if raw.exists() else "")
+    stacks = parse_collapsed(raw.read_text() if args.hz and raw.exists() else "")
     # the loaded window includes the warm-up's 2 s of requests
     reqs = stats["requests"] + args.rate * 2.0
+    net = (c1 - c0) - idle_rate * (w1 - w0)
     return {
+        "label": label,
+        "router_cpu_ms_per_request": round(net / reqs * 1e3, 3),
+        "router_idle_cpu_pct": round(idle_rate * 100, 2),
         "rate_rps": args.rate,
         "seconds": args.seconds,
         "workers": args.workers,
@@ -209,6 +239,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "profile": summarize(stacks, args.top),
         "raw_stacks": str(raw),
     }
+
+
+def variants(args: argparse.Namespace) -> None:
+    base_tenants = args.tenants
+    args.hz = 0
+    rows, out = [], []
+    for label, tenants, extra in VARIANTS:
+        args.tenants = base_tenants if tenants is None else tenants
+        args.extra = json.dumps(extra)
+        data = run(args, label)
+        out.append(data)
+        rows.append(
+            [
+                label,
+                f"{data['router_cpu_ms_per_request']:.2f}",
+                f"{data['router_idle_cpu_pct']:.1f}",
+                f"{data['load']['ttft_p50_ms']:.1f} / {data['load']['ttft_p99_ms']:.1f}",
+                data["load"]["errors"],
+            ]
+        )
+    print_table(
+        f"router CPU per request at {args.rate:g} streaming req/s, parts taken away",
+        ["setup", "CPU ms/req (net)", "idle CPU %", "TTFT p50 / p99 ms", "errors"],
+        rows,
+    )
+    write_json("router_profile_variants.json", {"rate_rps": args.rate, "variants": out})
 
 
 def main() -> None:
@@ -226,14 +282,22 @@ def main() -> None:
         default="{}",
         help='router config merged in, as JSON (e.g. \'{"fairness": {"mode": "off"}}\')',
     )
+    parser.add_argument(
+        "--variants",
+        action="store_true",
+        help="no profile: CPU per request with parts of the production setup taken away",
+    )
     args = parser.parse_args()
+    if args.variants:
+        variants(args)
+        return
     data = run(args)
     prof = data["profile"]
     load_ = data["load"]
     console.print(
         f"{load_['requests']} requests, {load_['errors']} errors {load_['error_kinds']}, TTFT p50 "
         f"{load_['ttft_p50_ms']:.2f} / p99 {load_['ttft_p99_ms']:.2f} ms; router CPU "
-        f"{data['router_cpu_ms_per_request_incl_background']:.2f} ms/request (with background); "
+        f"{data['router_cpu_ms_per_request']:.2f} ms/request net of its idle background; "
         f"{prof['busy_samples']} busy of {prof['samples']} samples"
     )
     print_table("router CPU by area (% of busy samples)", ["area", "%"],

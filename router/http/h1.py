@@ -14,15 +14,19 @@ one `transport.write` (head and body together). Reading pauses while more than `
 bytes wait unread (a slow client slows its replica's stream, not the router's memory).
 
 Pool: idle connections are reused last-in first-out; one idle longer than `idle_expiry_s` (below
-the replica server's own keep-alive timeout) or closed by the server is dropped, so a request is
-never written to a connection the server is closing. A connection goes back to the pool only
-when its response was read to the end and both sides keep it alive; `close()` before the end
-closes the connection, which is how the replica learns that the client left (vLLM aborts the
-request when its connection closes). At most `max_idle` connections are kept.
+the replica server's own keep-alive timeout), closed by the server, or with bytes (a FIN) waiting
+to be read is dropped, so a request is not written to a connection the server is closing (as
+httpx does; a FIN still in flight at that instant fails the request as a reset). A connection
+goes back to the pool only when its response was read to the end and both sides keep it alive;
+`close()` before the end closes the connection, which is how the replica learns that the client
+left (vLLM aborts the request when its connection closes). At most `max_idle` connections are
+kept.
 
 Errors: connecting refused or timed out -> `ConnectFailed` (the replica never saw the request);
-the connection lost or a malformed response afterwards -> `UpstreamBroken`. Deadlines for the
-head and between chunks are the caller's (`asyncio.timeout` around the awaits); cancelling an
+the connection lost or a malformed response afterwards -> `UpstreamBroken`. The deadline for the
+head is the caller's (`asyncio.timeout` around the await); between chunks, `next_chunk(idle_s)`
+keeps one timer per response, moved on as bytes arrive (TimeoutError after idle_s of silence
+while waiting), not one per chunk; cancelling an
 await closes the connection.
 """
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import select
 import time
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -140,7 +145,10 @@ class H1Response:
         "_conn",
         "_error",
         "_head_waiter",
+        "_loop",
+        "_since",
         "_waiter",
+        "_watchdog",
         "complete",
         "head_done",
         "headers",
@@ -162,7 +170,9 @@ class H1Response:
         self._buf: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._error: Exception | None = None
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        self._since = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
         self._head_waiter: asyncio.Future[None] | None = loop.create_future()
         self._waiter: asyncio.Future[None] | None = None
 
@@ -182,6 +192,7 @@ class H1Response:
         self._wake(self._head_waiter)
 
     def _body(self, data: bytes) -> None:
+        self._since = self._loop.time()
         self._buf.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER:
@@ -211,15 +222,22 @@ class H1Response:
             self._head_waiter = asyncio.get_running_loop().create_future()
         self._head_waiter = None
 
-    async def next_chunk(self) -> bytes | None:
-        """The body bytes that arrived since the last call (waits for some); None at the end."""
+    async def next_chunk(self, idle_s: float | None = None) -> bytes | None:
+        """The body bytes that arrived since the last call (waits for some); None at the end.
+        With `idle_s`: TimeoutError when no byte arrives for that long while it waits (one
+        timer per response, moved on as bytes arrive, rather than one per chunk)."""
         while not self._buf:
             if self.complete:
                 self._release()
                 return None
             if self._error is not None:
                 raise self._error
-            self._waiter = fut = asyncio.get_running_loop().create_future()
+            loop = self._loop
+            self._waiter = fut = loop.create_future()
+            if idle_s is not None:
+                self._since = loop.time()
+                if self._watchdog is None:
+                    self._watchdog = loop.call_at(self._since + idle_s, self._idle, idle_s)
             try:
                 await fut
             finally:
@@ -239,11 +257,26 @@ class H1Response:
             parts.append(chunk)
         return b"".join(parts)
 
+    def _idle(self, idle_s: float) -> None:
+        """The watchdog: fail a wait that saw no byte for `idle_s`; else look again later."""
+        self._watchdog = None
+        if self.released or self.complete:
+            return
+        due = self._since + idle_s
+        waiter = self._waiter
+        if waiter is not None and not waiter.done() and self._loop.time() >= due:
+            waiter.set_exception(TimeoutError())
+        elif waiter is not None:
+            self._watchdog = self._loop.call_at(due, self._idle, idle_s)
+
     def _release(self) -> None:
         """Back to the pool when read whole and kept alive; else the connection is closed."""
         if self.released:
             return
         self.released = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
         conn = self._conn
         conn.resp = None
         whole = self.complete and not self._buf and self._error is None
@@ -259,6 +292,19 @@ class H1Response:
 
     async def aclose(self) -> None:
         self._release()
+
+
+def _quiet(conn: _Conn) -> bool:
+    """Nothing waits to be read on an idle connection (bytes there, or the server's FIN that
+    the loop has not delivered yet, mean the server is closing it)."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is None:
+        return True
+    try:
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
 
 
 class H1Pool:
@@ -312,7 +358,7 @@ class H1Pool:
         now = self.clock()
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < self.idle_expiry_s:
+            if not conn.closed and now - conn.idle_since < self.idle_expiry_s and _quiet(conn):
                 return conn
             conn.close()
         return None

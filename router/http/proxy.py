@@ -163,8 +163,7 @@ class Proxy:
         """The body bytes that arrived since the last call, within `idle_s` (None: the end);
         raises UpstreamError when the replica breaks the stream or goes silent."""
         try:
-            async with asyncio.timeout(self.idle_s):
-                return await up.response.next_chunk()
+            return await up.response.next_chunk(self.idle_s)
         except TimeoutError:
             self.fleet.record_slow(up.replica_id, SlowReason.IDLE)
             raise UpstreamError(f"replica {up.replica_id} went silent mid-stream") from None

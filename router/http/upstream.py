@@ -2,7 +2,8 @@
 
     pool.request(method, path, headers, body) -> response     once the response head is here
     response.status, response.header(name)
-    await response.next_chunk() -> bytes | None                body bytes as they come; None: end
+    await response.next_chunk(idle_s) -> bytes | None          body bytes as they come; None: end;
+                                                                TimeoutError after idle_s silent
     await response.read() -> bytes                              the rest of the body
     await response.aclose()                                     done (idempotent; before the end
                                                                 it closes the connection)
@@ -16,6 +17,7 @@ test exercises everything above the HTTP client exactly as production runs it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -30,7 +32,7 @@ class UpstreamResponse(Protocol):
 
     def header(self, name: bytes, default: bytes = b"") -> bytes: ...
 
-    async def next_chunk(self) -> bytes | None: ...
+    async def next_chunk(self, idle_s: float | None = None) -> bytes | None: ...
 
     async def read(self) -> bytes: ...
 
@@ -58,9 +60,10 @@ class HttpxResponse:
         value = self._resp.headers.get(name.decode("latin-1"))
         return default if value is None else value.encode("latin-1")
 
-    async def next_chunk(self) -> bytes | None:
+    async def next_chunk(self, idle_s: float | None = None) -> bytes | None:
         try:
-            chunk = await anext(self._chunks, None)
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(self._chunks, None)
         except httpx.HTTPError as exc:
             raise UpstreamBroken(f"{type(exc).__name__}: {exc}") from exc
         if chunk is None:

@@ -162,3 +162,39 @@ def test_broken_stream_and_early_close(run: Callable[[Awaitable[None]], None]) -
         await server.close()
 
     run(main())
+
+
+def test_idle_deadline_is_per_gap_not_per_stream(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:  # keep-alive: requests one after the other on the connection
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+            for _ in range(6):  # a steady stream: a chunk every 20 ms, longer than idle_s
+                writer.write(b"1\r\nx\r\n")
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            if b"/stall" in head:
+                await asyncio.sleep(5)  # then silent
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async def main() -> None:
+        server, url = await serve(handler)
+        pool = H1Pool(url, connect_s=1.0)
+        resp = await pool.request(b"POST", "/steady", [], b"")
+        got = b""
+        while (chunk := await resp.next_chunk(idle_s=0.08)) is not None:
+            got += chunk
+        assert got == b"x" * 6
+        resp = await pool.request(b"POST", "/stall", [], b"")
+        with pytest.raises(TimeoutError):
+            while await resp.next_chunk(idle_s=0.08) is not None:
+                pass
+        await resp.aclose()
+        pool.close()
+        await server.close()
+
+    run(main())
