@@ -1,20 +1,24 @@
-"""Router overhead on a live simulated fleet over loopback, beside vllm-router, in one run.
+"""Router overhead on a live simulated fleet over loopback, beside vllm-router and sglang-router.
 
 Setup: two simulated vLLM replicas (`controlplane sim-replica`, KV events on, `--speed` 50 so a
 12-word chat prompt with 8 output tokens costs the engine well under a millisecond), and in front
-of the same two replicas at once: our router as its own process (`controlplane serve --config`,
-`prefix_affinity`, a private Redis as the shared index when `redis-server` exists, JSON logs at
-WARNING, the local tokenizer) and the Rust `vllm-router` twice (`round_robin`, `cache_aware`).
-The load generator (asyncio + one httpx AsyncClient) sends open-loop Poisson arrivals of
-streaming chat requests, each with its own short prompt; TTFT is measured from a request's
-*scheduled* send time to the first SSE event with content.
+of the same two replicas at once: our router as its own process in its production setup
+(`controlplane serve --config`, `prefix_affinity`, a private Redis as the shared index fed by the
+router's own KV-event followers, `--tenants` tenants with API keys and hard token quotas in Redis,
+the fair queue shared in Redis, JSON logs at WARNING, the local tokenizer), the same router with
+two worker processes on one port (`--workers 2`, its Redis state under other key prefixes), the
+Rust `vllm-router` twice (`round_robin`, `cache_aware`) and the Rust `sglang-router` (`launch
+--policy cache_aware`). The load generator (asyncio + one httpx AsyncClient) sends open-loop
+Poisson arrivals of streaming chat requests, each with its own short prompt and one of the
+tenants' keys (to every target alike); TTFT is measured from a request's *scheduled* send time
+to the first SSE event with content.
 
-Added latency: at `--rate` (100 requests/s) the targets "direct" (the client spreads requests
-round-robin over the replicas itself), "router", "vllm_router_round_robin" and
-"vllm_router_cache_aware" take turns in short phases (`--phase-s`), in a fresh random order every
-round (`--rounds`), so machine drift hits all of them alike; added TTFT at a quantile =
-quantile(target) - quantile(direct), over all of a target's requests. Targets: p50 < 2 ms,
-p99 < 10 ms for our router.
+Added latency: at each of `--rates` (50 and 100 requests/s) the targets take turns in short
+phases (`--phase-s`), in a fresh random order every round (`--rounds`), so machine drift hits all
+of them alike; added TTFT at a quantile = quantile(target) - quantile(direct), over all of a
+target's requests at that rate. Targets: p50 < 2 ms, p99 < 10 ms for our router; goals: CPU per
+request, added p50 and p99 no worse than vllm-router `cache_aware`'s in the same run, and a max
+sustained rate at least its own (`goals_vs_vllm_router_cache_aware`).
 
 Highest sustained rate: every target is ramped through open-loop rates `--ramp-start` x
 `--ramp-factor`^k (targets interleaved at each step, `--step-s` per step). A step is *sustained*
@@ -28,6 +32,9 @@ The generator, the routers and the replicas share this machine's cores (`cores` 
 the CI machine kind), so every figure is a co-located one: a router process's CPU is taken from
 the replicas and the client. "direct" shows what the client and fleet sustain without a router;
 when a router reaches it, the ceiling measured is the fleet's, not the router's (`ceiling`).
+
+JSON: the top-level keys are at `--rate` (100); `by_rate` holds the same per-target figures at
+each rate.
 
 Writes out/bench/router_overhead.json and router_overhead.png.
 """
