@@ -1,29 +1,26 @@
-"""The hot endpoints without a framework in between: `RouterApp`, FastAPI with a fast lane.
+"""The hot endpoints without the framework in between: `FastLane`, the innermost middleware.
 
     POST /v1/chat/completions, POST /v1/completions
-      body read under the body limit (BodyLimitMiddleware: 413, 408)
+      (outer middleware as added: BodyLimitMiddleware reads the body under the limit, 413/408;
+       a host's own, e.g. Ray Serve's adapter, runs for both lanes alike)
       Content-Type application/json and a plainly valid body (router/http/lean.py)
           -> relay.serve_request at once (it sends its own response, errors included)
       anything else
-          -> the FastAPI app, with the body replayed: its validation words the refusal (400,
-             415, ...) exactly as before, and a body it accepts after all is served by the
+          -> the FastAPI app below, with the body replayed: its validation words the refusal
+             (400, 415, ...) exactly as before, and a body it accepts after all is served by the
              same `serve_request`
-    every other path and method -> the FastAPI app, untouched
+    every other path and method -> the FastAPI app below, untouched
 
 The FastAPI routes of the hot endpoints stay registered (the OpenAPI schema, the slow lane);
-the fast lane only skips what an accepted request does not need: routing by path through the
-middleware stack, dependency resolution, pydantic models built and dumped, a Response object.
+the fast lane only skips what an accepted request does not need: routing by path, dependency
+resolution, exception middleware, pydantic models built and dumped, a Response object.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import FastAPI
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from router.http.lean import Endpoint, parse
-from router.http.limits import BodyLimitMiddleware
 from router.http.relay import serve_request
 from router.runtime import RouterRuntime
 
@@ -37,26 +34,21 @@ def _json_body(scope: Scope) -> bool:
     return False
 
 
-class RouterApp(FastAPI):
-    """FastAPI, whose hot endpoints take the fast lane (see the module docstring)."""
+class FastLane:
+    """ASGI middleware: the hot endpoints' fast lane (see the module docstring). Add it before
+    the body limit, so that it runs inside it with the body read whole."""
 
-    def __init__(self, *args: Any, max_body_bytes: int, body_timeout_s: float, **kw: Any):
-        super().__init__(*args, **kw)
-        self._hot = BodyLimitMiddleware(
-            self._hot_body, max_bytes=max_body_bytes, timeout_s=body_timeout_s
-        )
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in HOT:
-            await self._hot(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in HOT:
+            await self.app(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
-
-    async def _hot_body(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Called with the body read whole (the limiter replays it on the first receive)."""
-        first = await receive()
+        first = await receive()  # the whole body (the limiter outside buffered it)
         body: bytes = first.get("body", b"")
-        runtime: RouterRuntime | None = getattr(self.state, "runtime", None)
+        app = scope.get("app")
+        runtime: RouterRuntime | None = getattr(getattr(app, "state", None), "runtime", None)
         req = parse(body, HOT[scope["path"]]) if _json_body(scope) else None
         if req is not None and runtime is not None:
             await serve_request(runtime, scope, receive, send, req)
@@ -70,7 +62,7 @@ class RouterApp(FastAPI):
                 return first
             return await receive()
 
-        await super().__call__(scope, replay, send)
+        await self.app(scope, replay, send)
 
 
-__all__ = ["HOT", "RouterApp"]
+__all__ = ["HOT", "FastLane"]

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controlplane.errors import ControlPlaneError
 from router.config import RouterSettings
 from router.http.endpoints import admin_routes, openai_routes, ops_routes
-from router.http.hot import RouterApp
+from router.http.hot import FastLane
 from router.http.limits import BodyLimitMiddleware
 from router.http.openai_api import error_body, error_of, validation_message
 from router.runtime import RouterRuntime
@@ -50,19 +50,18 @@ def create_app(settings: RouterSettings, runtime: RouterRuntime | None = None) -
         finally:
             await rt.aclose()
 
-    # FastAPI whose hot endpoints take a fast lane (router/http/hot.py)
-    app = RouterApp(
+    app = FastAPI(
         title="vLLM fleet control plane router",
         version="0.1.0",
         description="OpenAI-compatible router in front of a vLLM fleet.",
         lifespan=lifespan,
-        max_body_bytes=settings.limits.max_body_bytes,
-        body_timeout_s=settings.limits.body_timeout_s,
     )
     app.state.settings = settings
     app.include_router(openai_routes)
     app.include_router(ops_routes)
     app.include_router(admin_routes)
+    # the hot endpoints' fast lane (router/http/hot.py), inside the body limit
+    app.add_middleware(FastLane)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.limits.max_body_bytes,
