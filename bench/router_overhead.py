@@ -373,8 +373,11 @@ def report(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, object]:
     by_rate: dict[str, Any] = {}
     for rate, d in data["by_rate"].items():
         rate_at = d["at_rate"]
+        per_target = {t: {**added(rate_at, t), "max_rps": mx[t]} for t in present}
         by_rate[f"{rate:g}"] = {
-            **{t: {**added(rate_at, t), "max_rps": mx[t]} for t in present},
+            **per_target,
+            # the same key as at the top level: vllm-router `cache_aware`
+            "vllm_router": per_target["vllm_router_cache_aware"],
             "ttft_at_rate_ms": {
                 t: {k: round(v, 3) for k, v in row.items()} for t, row in rate_at.items()
             },

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,11 +170,6 @@ class Proxy:
         except UpstreamBroken as exc:
             self.fleet.record_failure(up.replica_id, FailureReason.STREAM_DIED)
             raise UpstreamError(f"replica {up.replica_id} broke the stream: {exc}") from None
-
-    async def rest(self, up: Upstream) -> AsyncIterator[bytes]:
-        """The chunks after the first (see `next`)."""
-        while (chunk := await self.next(up)) is not None:
-            yield chunk
 
 
 class SSEFilter:
