@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -79,6 +80,32 @@ def _bin(name: str) -> str | None:
 
 def vllm_router_binary() -> str | None:
     return _bin("vllm-router")
+
+
+def sglang_router_binary() -> str | None:
+    return _bin("sglang-router")
+
+
+def bench_tenants(
+    n: int, *, quota_tokens: int = 10**9
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """`n` tenants (`t0`, `t1`, ...) for a router config, each with one API key and a hard token
+    quota far above what a bench sends (so every request pays the quota's reservation and
+    settlement, and none is refused), and the matching request headers, one per tenant."""
+    tenants, headers = [], []
+    for i in range(n):
+        key = f"sk-bench-{i:04d}-{hashlib.sha256(str(i).encode()).hexdigest()[:24]}"
+        tenants.append(
+            {
+                "id": f"t{i}",
+                "api_key_sha256": [hashlib.sha256(key.encode()).hexdigest()],
+                "quota_tokens": quota_tokens,
+                "quota_window_s": 60.0,
+                "quota_mode": "hard",
+            }
+        )
+        headers.append({"authorization": f"Bearer {key}"})
+    return tenants, headers
 
 
 class _Process:
@@ -148,7 +175,8 @@ class _Process:
 
 
 class OurRouter(_Process):
-    """`controlplane serve --config FILE --port P` in front of `fleet` (KV events followed)."""
+    """`controlplane serve --config FILE --port P [--workers N]` in front of `fleet` (KV events
+    followed)."""
 
     name = "router"
 
@@ -159,9 +187,11 @@ class OurRouter(_Process):
         policy: str = "prefix_affinity",
         redis_url: str | None = None,
         extra: dict[str, Any] | None = None,
+        workers: int = 1,
     ) -> None:
         super().__init__()
         self.fleet = fleet
+        self.workers = workers
         self.config: dict[str, Any] = {
             "host": "127.0.0.1",
             "served_model": MODEL,
@@ -189,7 +219,8 @@ class OurRouter(_Process):
         self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         cp = _bin("controlplane")
         assert cp is not None, "the controlplane script is not installed (pip install -e .)"
-        return [cp, "serve", "--config", str(self.config_path), "--port", str(self.port)]
+        argv = [cp, "serve", "--config", str(self.config_path), "--port", str(self.port)]
+        return argv + (["--workers", str(self.workers)] if self.workers > 1 else [])
 
     def ready(self, client: httpx.Client) -> bool:
         resp = client.get(f"{self.url}/ready")
@@ -227,6 +258,36 @@ class VllmRouter(_Process):
         return client.get(f"{self.url}/v1/models").status_code == 200
 
 
+class SglangRouter(_Process):
+    """The Rust `sglang-router` (pip package `sglang-router`, `sglang-router launch`) with
+    `--policy` in front of `urls`: its HTTP router passes OpenAI requests through to any
+    OpenAI-compatible worker."""
+
+    name = "sglang-router"
+
+    def __init__(self, urls: Sequence[str], policy: str) -> None:
+        super().__init__()
+        self.urls = list(urls)
+        self.policy = policy
+        self.prometheus_port = free_ports(1)[0]
+
+    def argv(self) -> list[str]:
+        binary = sglang_router_binary()
+        assert binary is not None, "sglang-router is not installed"
+        return [
+            binary, "launch",
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--policy", self.policy,
+            "--worker-urls", *self.urls,
+            "--prometheus-port", str(self.prometheus_port),
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def ready(self, client: httpx.Client) -> bool:
+        return client.get(f"{self.url}/v1/models").status_code == 200
+
+
 # -- load generation --------------------------------------------------------------------------
 
 
@@ -254,10 +315,16 @@ def _has_content(event: dict[str, Any]) -> bool:
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, body: bytes, res: Result, timeout_s: float = 30.0
+    client: httpx.AsyncClient,
+    url: str,
+    body: bytes,
+    res: Result,
+    timeout_s: float = 30.0,
+    headers: Mapping[str, str] | None = None,
 ) -> Result:
-    """POST `body` (a streaming request) to `url`; fill `res` with TTFT, end time or error."""
-    headers = {"content-type": "application/json"}
+    """POST `body` (a streaming request) to `url` with `headers` added (e.g. an API key); fill
+    `res` with TTFT, end time or error."""
+    headers = {"content-type": "application/json", **(headers or {})}
     res.sent = time.perf_counter()
     try:
         async with (
@@ -320,14 +387,15 @@ async def open_loop(
     client: httpx.AsyncClient,
     rate: float,
     duration_s: float,
-    request: Callable[[int], tuple[str, str, bytes]],
+    request: Callable[[int], tuple[str, str, bytes, Mapping[str, str]]],
     rng: random.Random,
     *,
     first_index: int = 0,
     drain_s: float = 15.0,
     timeout_s: float = 30.0,
 ) -> Phase:
-    """Poisson arrivals at `rate`/s for `duration_s`; `request(i)` -> (target, url, body).
+    """Poisson arrivals at `rate`/s for `duration_s`; `request(i)` -> (target, url, body,
+    headers).
 
     Waits for every request to finish (at most `drain_s` after the last send; stragglers are
     cancelled and count as errors)."""
@@ -340,10 +408,11 @@ async def open_loop(
         now = time.perf_counter()
         if due > now:
             await asyncio.sleep(due - now)
-        target, url, body = request(i)
+        target, url, body, headers = request(i)
         res = Result(target, due)
         phase.results.append(res)
-        tasks.append(asyncio.create_task(stream_one(client, url, body, res, timeout_s)))
+        sending = stream_one(client, url, body, res, timeout_s, headers)
+        tasks.append(asyncio.create_task(sending))
         i += 1
         due += rng.expovariate(rate)
     if tasks:

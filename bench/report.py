@@ -233,9 +233,16 @@ def index(data: Any) -> str:
 
 
 def router_overhead(data: Any) -> str:
-    at = data["ttft_at_rate_ms"]
-    cpu = data["cpu_ms_per_request"]
     start = min((r["rate"] for r in data["ramp"]), default=0)
+    by_rate = data.get("by_rate") or {
+        f"{data['rate_rps']:g}": {
+            "ttft_at_rate_ms": data["ttft_at_rate_ms"],
+            "cpu_ms_per_request": data["cpu_ms_per_request"],
+            **{k: data[k] for k in ("router", "vllm_router_round_robin") if k in data},
+            "vllm_router_cache_aware": data["vllm_router"],
+        }
+    }
+    rates = sorted(by_rate, key=float)
 
     def max_rps(t: str, value: float | None) -> str:
         if value is None:
@@ -244,53 +251,54 @@ def router_overhead(data: Any) -> str:
             return f"< {start:g}"  # not even the first step
         return f">= {value:g}" if t in data["max_rps_capped"] else f"{value:g}"  # ramp's top
 
-    rows = []
-    for key, label in (
+    labels = (
         ("direct", "direct to the replicas"),
         ("router", f"our router (`{data['setup']['our_policy']}`)"),
+        ("router_two_workers", "our router, 2 worker processes"),
         ("vllm_router_round_robin", "vllm-router `round_robin`"),
         ("vllm_router_cache_aware", "vllm-router `cache_aware`"),
-    ):
-        entry = {
-            "router": data["router"],
-            "vllm_router_cache_aware": data["vllm_router"],
-            "vllm_router_round_robin": data["vllm_router_round_robin"],
-        }.get(key)
-        t = at[key]
-        rows.append(
-            (
-                label,
-                f"{t['ttft_p50_ms']:.2f} / {t['ttft_p99_ms']:.2f}",
-                (
-                    f"{entry['added_ttft_p50_ms']:+.2f} / {entry['added_ttft_p99_ms']:+.2f}"
-                    if entry
-                    else ""
-                ),
-                max_rps(key, entry["max_rps"] if entry else data["direct"]["max_rps"]),
-                f"{cpu[key]['router_process']:.2f}" if "router_process" in cpu[key] else "",
-                t["errors"],
-            )
-        )
-    table = md_table(
-        [
-            f"at {data['rate_rps']:g} streaming req/s",
-            "TTFT p50 / p99 ms",
-            "added p50 / p99 ms",
-            "max sustained req/s",
-            "router CPU ms/req",
-            "errors",
-        ],
-        rows,
+        ("sglang_router", "sglang-router `cache_aware`"),
     )
+    rows = []
+    for key, label in labels:
+        if key not in data["ttft_at_rate_ms"]:
+            continue
+        row: list[object] = [label]
+        for rate in rates:
+            t = by_rate[rate]["ttft_at_rate_ms"][key]
+            entry = by_rate[rate].get(key) if key != "direct" else None
+            added = (
+                f"{entry['added_ttft_p50_ms']:+.2f} / {entry['added_ttft_p99_ms']:+.2f}"
+                if entry
+                else f"({t['ttft_p50_ms']:.2f} / {t['ttft_p99_ms']:.2f})"
+            )
+            cpu = by_rate[rate]["cpu_ms_per_request"][key]
+            row += [added, f"{cpu['router_process']:.2f}" if "router_process" in cpu else ""]
+        top = data.get(key, {}).get("max_rps") if key != "direct" else data["direct"]["max_rps"]
+        if key == "vllm_router_cache_aware":
+            top = data["vllm_router"]["max_rps"]
+        errors = sum(by_rate[r]["ttft_at_rate_ms"][key]["errors"] for r in rates)
+        rows.append((*row, max_rps(key, top), errors))
+    header: list[str] = ["streaming req/s:"]
+    for rate in rates:
+        header += [f"{rate}: added TTFT p50 / p99 ms", f"{rate}: router CPU ms/req"]
+    table = md_table([*header, "max sustained req/s", "errors"], rows)
+    goals = data.get("goals_vs_vllm_router_cache_aware") or {}
+    verdict = ", ".join(f"{k} {'met' if v else '**not met**'}" for k, v in goals.items())
     met = data["targets_met"]
-    verdict = ", ".join(
+    old = ", ".join(
         f"{name} {'met' if met[key] else '**not met**'}"
         for name, key in (("p50 < 2 ms", "added_ttft_p50"), ("p99 < 10 ms", "added_ttft_p99"))
     )
+    setup = data["setup"]
     return (
-        table + f"\n\nTargets for our router: {verdict}. Ceiling: {data['ceiling']}. "
+        table + "\n\n(direct: the TTFT p50 / p99 itself.) "
+        f"Goals against vllm-router `cache_aware` in the same run: {verdict or 'not measured'}. "
+        f"Targets at {data['rate_rps']:g} req/s: {old}. Ceiling: {data['ceiling']}. "
         f"{data['cores']} cores shared by the client, the routers and the replicas; "
-        f"our router's index: {data['setup']['our_index']}."
+        f"our router's index: {setup['our_index']}, "
+        f"{setup.get('tenants', 0)} tenants with quotas ({setup.get('quotas', 'none')}), "
+        f"fair queue {setup.get('fair_queue', 'on')}."
     )
 
 

@@ -384,9 +384,10 @@ class LocalTokenizer:
         ids = self.encode(text, add_special_tokens=False)
         return Tokenized(tuple(ids), exact=True, prompt_text=text)
 
-    async def tokenize(
+    def tokenize_sync(
         self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
     ) -> Tokenized:
+        """`tokenize` without the event loop (a worker thread may call it)."""
         if not isinstance(prompt, str):
             tok = _as_ids(prompt)
             if tok.token_ids and max(tok.token_ids) >= self.vocab_size:
@@ -396,6 +397,11 @@ class LocalTokenizer:
             return tok
         ids = self.encode(prompt, add_special_tokens=add_special_tokens)
         return Tokenized(tuple(ids), exact=True, prompt_text=prompt)
+
+    async def tokenize(
+        self, prompt: str | Sequence[int], *, add_special_tokens: bool = True
+    ) -> Tokenized:
+        return self.tokenize_sync(prompt, add_special_tokens=add_special_tokens)
 
     async def tokenize_chat(
         self,

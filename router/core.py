@@ -7,6 +7,8 @@
          (the tenant's, a public prefix's, or in open mode the client's: `SaltPolicy`)
       4. arm = books.arm_for(request)                  (A/B split; one arm without a split)
       5. matches = index.lookup(hashes, routable)     None = unknown: route on load, counted
+         (with Redis, `prefetch` starts it before the quota and the fair queue, over every
+         routable replica; a fresh result is narrowed to the replicas the request may use)
       6. decision = books.decide(request, fleet.snapshot(), matches, arm)   pure
       7. books.commit -> index ops applied (speculate) BEFORE the request is sent
     reroute(routed)    the upstream never accepted it: move the reservation to the next candidate
@@ -22,10 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from controlplane.errors import (
@@ -38,11 +43,17 @@ from controlplane.hashing import BlockHasher, scope_key
 from controlplane.routing.books import IndexOp, Retract, Routed, RoutingBooks, Speculate
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import SaltPolicy
-from controlplane.tokenization import PromptTokenizer, TokenizationError, Tokenized
+from controlplane.tokenization import (
+    LocalTokenizer,
+    PromptTokenizer,
+    TokenizationError,
+    Tokenized,
+)
 from controlplane.types import FleetSnapshot, PrefixMatch, RoutingRequest
 from router.config import RouterSettings
 from router.fleet.index import RouterIndex
 from router.fleet.live_fleet import LiveFleet
+from router.http.lean import OpenAIRequest, from_model
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
 from router.http.prompts import sequences
 from router.telemetry import RouterMetrics
@@ -53,6 +64,34 @@ if TYPE_CHECKING:
 DEFAULT_BLOCK_SIZE = 16
 # hashers kept per (salt scope, block size); open-mode client salts are unbounded
 MAX_HASHERS = 4096
+# bodies larger than this are tokenized in a worker thread (about a millisecond of tokenizer
+# and template work, measured on the tiny model's tokenizer); smaller ones inline, where a
+# thread hop would cost more than the work
+THREAD_BYTES = 16 * 1024
+
+
+# a prefetched lookup older than this (the request waited in the fair queue) is done again
+PREFETCH_FRESH_S = 0.05
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """An index lookup started before the request's turn (see `RouterCore.prefetch`)."""
+
+    task: asyncio.Future[dict[str, PrefixMatch] | None]
+    replicas: frozenset[str]
+    started: float
+
+
+def _quiet(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+def _tokenize_batch(tok: LocalTokenizer, prompts: list[str | list[int]]) -> tuple[Tokenized, int]:
+    """The first prompt's tokens and the others' count, synchronously (in a worker thread)."""
+    first, *rest = (tok.tokenize_sync(p) for p in prompts)
+    return first, sum(len(t) for t in rest)
 
 
 class RouterCore:
@@ -82,28 +121,33 @@ class RouterCore:
         self._background: set[asyncio.Task[None]] = set()
 
     # -- 1..3: the request ------------------------------------------------------------------------
-    async def _tokens(
-        self, body: ChatCompletionRequest | CompletionRequest
-    ) -> tuple[Tokenized, int]:
+    async def _tokens(self, req: OpenAIRequest) -> tuple[Tokenized, int]:
         """The prompt's tokens, and the token count of the batch's other prompts (a completion
-        batch is routed as one request, on its first prompt)."""
+        batch is routed as one request, on its first prompt). A long prompt is tokenized in a
+        worker thread (the tokenizer releases the GIL), so the event loop keeps serving."""
+        tok = self.tokenizer
+        local = tok if isinstance(tok, LocalTokenizer) else None
         try:
-            if isinstance(body, ChatCompletionRequest):
-                msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-                chat = await self.tokenizer.tokenize_chat(
-                    msgs,
-                    add_generation_prompt=body.add_generation_prompt,
-                    continue_final_message=body.continue_final_message,
-                    chat_template_kwargs=body.chat_template_kwargs,
-                    tools=body.tools,
-                )
-                return chat, 0
-            first, *rest = body.prompts()
-            tok = await self.tokenizer.tokenize(first)
+            if req.messages is not None:
+                kwargs: dict[str, Any] = {
+                    "add_generation_prompt": req.add_generation_prompt,
+                    "continue_final_message": req.continue_final_message,
+                    "chat_template_kwargs": req.chat_template_kwargs,
+                    "tools": req.tools,
+                }
+                if local is not None and len(req.body) > THREAD_BYTES:
+                    encode = functools.partial(local.encode_chat, req.messages, **kwargs)
+                    return await asyncio.to_thread(encode), 0
+                return await tok.tokenize_chat(req.messages, **kwargs), 0
+            assert req.prompts is not None
+            first, *rest = req.prompts
+            if local is not None and len(req.body) > THREAD_BYTES:
+                return await asyncio.to_thread(_tokenize_batch, local, req.prompts)
+            tokd = await tok.tokenize(first)
             extra = 0
             for p in rest:
-                extra += len(await self.tokenizer.tokenize(p))
-            return tok, extra
+                extra += len(await tok.tokenize(p))
+            return tokd, extra
         except TokenizationError as exc:
             raise RequestError(f"cannot tokenize the prompt: {exc}") from None
 
@@ -122,12 +166,15 @@ class RouterCore:
 
     async def build(
         self,
-        body: ChatCompletionRequest | CompletionRequest,
+        body: OpenAIRequest | ChatCompletionRequest | CompletionRequest,
         *,
         request_id: str,
         tenant: Tenant,
         session: str | None,
     ) -> RoutingRequest:
+        if not isinstance(body, OpenAIRequest):  # a validated model (tests, embedders)
+            raw = body.model_dump_json(exclude_unset=True).encode()
+            body = from_model(body, raw, json.loads(raw))
         limits = self.settings.limits
         if body.model != self.settings.served_model:
             raise ModelNotFoundError(
@@ -147,7 +194,7 @@ class RouterCore:
         salt = self.salts.choose(
             tenant,
             tok.token_ids,
-            (body.model_extra or {}).get("cache_salt"),
+            body.client_salt,
             batch=extra > 0,
         )
         self.metrics.cache_salts.labels(salt.reason).inc()
@@ -170,20 +217,61 @@ class RouterCore:
         )
 
     # -- 4..7: the decision -----------------------------------------------------------------------
-    async def route(self, req: RoutingRequest, *, allowed: frozenset[str] | None = None) -> Routed:
+    def prefetch(self, req: RoutingRequest) -> Prefetch | None:
+        """Start the index lookup now, over every routable replica, so that its round trip to
+        Redis overlaps the quota's (None: nothing to overlap, the in-memory index answers at
+        once). `route` uses it while fresh, narrowed to the replicas it may choose."""
+        if self.index.kind == "memory" or not req.block_hashes:
+            return None
+        routable = [r.replica_id for r in self.fleet.snapshot().routable()]
+        if not routable:
+            return None
+        task = asyncio.ensure_future(self.index.lookup(req.block_hashes, routable))
+        return Prefetch(task, frozenset(routable), time.perf_counter())
+
+    @staticmethod
+    def discard(prefetched: Prefetch | None) -> None:
+        """A prefetched lookup that will not be used: let it finish on its own (a lookup never
+        raises; cancelling it mid-call would cost its Redis connection)."""
+        if prefetched is not None and not prefetched.task.done():
+            prefetched.task.add_done_callback(_quiet)
+
+    async def _lookup(
+        self, req: RoutingRequest, routable: list[str], prefetched: Prefetch | None
+    ) -> tuple[dict[str, PrefixMatch] | None, float]:
+        if prefetched is not None:
+            fresh = time.perf_counter() - prefetched.started < PREFETCH_FRESH_S
+            if fresh and prefetched.replicas.issuperset(routable):
+                found = await prefetched.task
+                took = time.perf_counter() - prefetched.started
+                if found is None:
+                    return None, took
+                return {r: m for r, m in found.items() if r in routable}, took
+            self.discard(prefetched)
+        t0 = time.perf_counter()
+        matches = await self.index.lookup(req.block_hashes, routable)
+        return matches, time.perf_counter() - t0
+
+    async def route(
+        self,
+        req: RoutingRequest,
+        *,
+        allowed: frozenset[str] | None = None,
+        prefetched: Prefetch | None = None,
+    ) -> Routed:
         """Choose a replica (among `allowed`, the ones the fair queue found room on, when any of
         them is still routable) and book it."""
         books = self.books
         arm = books.arm_for(req)
         routable = [r.replica_id for r in self.fleet.snapshot().routable()]
         if not routable:
+            self.discard(prefetched)
             raise NoReadyReplicaError("no ready replica: every replica is loading, ejected or gone")
         if allowed:
             routable = [r for r in routable if r in allowed] or routable
-        t0 = time.perf_counter()
-        matches: dict[str, PrefixMatch] | None = await self.index.lookup(req.block_hashes, routable)
+        matches, took = await self._lookup(req, routable, prefetched)
         outcome = "unknown" if matches is None else ("hit" if matches else "miss")
-        self.metrics.index_lookup_seconds.labels(outcome).observe(time.perf_counter() - t0)
+        self.metrics.index_lookup_seconds.labels(outcome).observe(took)
         if matches is None:
             self.metrics.fallbacks.labels("index_unknown").inc()
             matches = {}

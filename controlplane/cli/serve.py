@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from pathlib import Path
 from typing import Annotated
@@ -21,7 +22,8 @@ def _progress(msg: str) -> None:
     err.print(Text.assemble((time.strftime("%H:%M:%S"), "dim"), " ", msg), highlight=False)
 
 
-def _run_router(settings: object) -> None:
+def _serve_router(settings: object, sock: socket.socket | None = None) -> None:
+    """One router process (on `sock` when given: a worker of `--workers`)."""
     from router.config import RouterSettings
     from router.http.server import RouterHttpServer
     from router.telemetry import configure_logging, setup_tracing
@@ -30,7 +32,20 @@ def _run_router(settings: object) -> None:
     configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
     setup_tracing(settings.telemetry.otel_exporter)
     # uvicorn with the router's connection limits (router/http/protocol.py)
-    RouterHttpServer(settings).run()
+    RouterHttpServer(settings, sock=sock).run()
+
+
+def _run_router(settings: object, workers: int = 1) -> None:
+    from router.config import RouterSettings
+    from router.http.workers import run_workers
+
+    assert isinstance(settings, RouterSettings)
+    if workers == 1:
+        _serve_router(settings)
+        return
+    code = run_workers(settings, workers, _serve_router)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("serve")
@@ -46,6 +61,14 @@ def serve_cmd(
     ] = None,
     policy: Annotated[str | None, typer.Option(help="Routing policy name.")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Redis of the shared index.")] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Router processes on the one port (SO_REUSEPORT); more than 1 needs redis.url, "
+            "through which they share the index, quotas and fair queue.",
+        ),
+    ] = 1,
 ) -> None:
     """Run the router against configured replica URLs."""
     from controlplane.errors import ConfigError
@@ -64,7 +87,7 @@ def serve_cmd(
         overrides["policy"] = {"name": policy}
     if redis_url:
         overrides["redis"] = {"url": redis_url}
-    _run_router(load_settings(config, **overrides))
+    _run_router(load_settings(config, **overrides), workers)
 
 
 SNIPPET = """curl -s http://{host}:{port}/v1/chat/completions \\

@@ -57,7 +57,9 @@ the fair order above applies again. A fleet with fewer than 2 free slots per rou
 uses it.
 
 Per request: one call admits it (or follows its fast admission), one call (its release) frees its
-slot; the other routers' calls that a release wakes, and the 50 ms re-asks, are per free slot
+slot; while no request waits at a router, its follow-up calls within `SYNC_COALESCE_S` (10 ms)
+are one call, so under load a router calls Redis about a hundred times a second, not twice per
+request; the other routers' calls that a release wakes, and the 50 ms re-asks, are per free slot
 rather than per token. Capacity is fleet-wide (the routing policy places each admitted request) and
 every request is assumed to come through these routers (others' traffic is not subtracted, unlike
 the local queue). A router that dies holding the fairest tenant's oldest request stalls admissions
@@ -84,6 +86,9 @@ log = logging.getLogger(__name__)
 # while requests wait, how often a router asks again unprompted (slots freed elsewhere wake it
 # at once through `P:wake`; this covers lost wake-ups and capacity changes)
 SHARED_TICK_S = 0.05
+# while no request waits at this router, the kicks (fast admissions, releases) within this long
+# go to Redis in one call: one call per window instead of two per request
+SYNC_COALESCE_S = 0.01
 
 
 def fast_room(reply: Reply, admitted_meanwhile: int) -> int:
@@ -182,6 +187,10 @@ class SharedFairQueue(FairQueue):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._tick_s()):
                     await self._wake.wait()
+            if self.shared and not self.queued and self._wake.is_set():
+                # nobody waits here: the call only tells Redis what this router did (fast
+                # admissions, releases), so the kicks of the next few ms share one call
+                await asyncio.sleep(SYNC_COALESCE_S)
             self._wake.clear()
             try:
                 await self._step()

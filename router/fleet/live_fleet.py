@@ -128,6 +128,7 @@ class LiveFleet:
         del self._replicas[replica_id]
         r.removed = True
         await self._schedule.cancel(r)
+        r.upstream.close()
         await r.client.aclose()
         if self.ledger is not None:
             self.ledger.drop_replica(replica_id)
@@ -241,6 +242,7 @@ class LiveFleet:
     async def aclose(self) -> None:
         await self._schedule.aclose()
         for r in self._replicas.values():
+            r.upstream.close()
             await r.client.aclose()
 
     async def refresh(self) -> None:

@@ -1,7 +1,8 @@
 """One replica of the live fleet: its client, health, last metrics and roofline profile.
 
 Mutable, owned by `router.fleet.live_fleet.LiveFleet`, which does every probe and scrape and sets
-the fields below; the proxy borrows `client`. `phase` is computed from the flags, in this order:
+the fields below; the proxy borrows `upstream` (probes and scrapes use `client`). `phase` is
+computed from the flags, in this order:
 
     removed, or DOWN (consecutive failed probes)     -> DEAD
     drain() called                                   -> DRAINING
@@ -28,6 +29,8 @@ from controlplane.roofline.profile import EngineProfile, profile
 from controlplane.types import EngineMetrics, Ledger, Phase, ReplicaState
 from router.config import ReplicaConfig
 from router.fleet.health import Liveness, ReplicaHealth, restart_signal
+from router.http.h1 import H1Pool
+from router.http.upstream import HttpxPool, UpstreamPool
 
 # the proxy streams many requests at once to one replica: no pool cap, a warm keep-alive set
 # idle connections are dropped after 2 s: servers (uvicorn, so vLLM) close theirs after 5 s, and
@@ -69,6 +72,18 @@ class LiveReplica:
             limits=POOL_LIMITS,
             transport=transport,
         )
+        # the proxy's client: the lean HTTP/1.1 pool, or `client` itself when a transport was
+        # given (tests) or the replica is not plain http://
+        self.upstream: UpstreamPool
+        if transport is None and self.url.startswith("http://"):
+            self.upstream = H1Pool(
+                self.url,
+                connect_s=connect_s,
+                max_idle=POOL_LIMITS.max_keepalive_connections or 64,
+                idle_expiry_s=POOL_LIMITS.keepalive_expiry or 2.0,
+            )
+        else:
+            self.upstream = HttpxPool(self.client)
         self.health = ReplicaHealth()
         self.incarnation = 0
         self.metrics = EngineMetrics()

@@ -1,5 +1,9 @@
 """HTTP handlers: the OpenAI endpoints (`relay.py` does the per-request work), ops, admin.
 
+The OpenAI endpoints here are the slow lane: a plainly valid body is served before FastAPI sees
+it (`router/http/hot.py`); these validate the rest with the pydantic models (and give the OpenAPI
+schema).
+
 Admin (Authorization: Bearer <admin key>; 404 while no admin key is configured):
 
     GET    /admin/replicas, POST /admin/replicas, POST .../{id}/drain, DELETE .../{id}
@@ -14,17 +18,19 @@ Tenant changes apply to this router process; no response ever holds a key, a dig
 from __future__ import annotations
 
 import hmac
+import json
 import time
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.types import Receive, Scope, Send
 
 from controlplane.errors import AuthError, ConfigError, NotFoundError, RequestError
 from router.config import ReplicaConfig, RouterSettings, TenantConfig
 from router.fairness.tenants import tenant_of, tenant_view
+from router.http.lean import OpenAIRequest, from_model
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
-from router.http.prompts import check_prompt_count
 from router.http.relay import serve_request
 from router.runtime import RouterRuntime
 
@@ -38,15 +44,32 @@ def _rt(request: Request) -> RouterRuntime:
     return rt
 
 
+class Served(Response):
+    """The response of a request the full validation accepted: `serve_request` sends it."""
+
+    def __init__(self, runtime: RouterRuntime, req: OpenAIRequest) -> None:
+        super().__init__()
+        self.runtime = runtime
+        self.req = req
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await serve_request(self.runtime, scope, receive, send, self.req)
+
+
+async def _served(request: Request, body: ChatCompletionRequest | CompletionRequest) -> Served:
+    # the slow lane (router/http/hot.py): the body as received still goes upstream
+    raw = await request.body()
+    return Served(_rt(request), from_model(body, raw, json.loads(raw)))
+
+
 @openai_routes.post("/v1/chat/completions", response_model=None)
 async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
-    return await serve_request(_rt(request), request, body, "/v1/chat/completions")
+    return await _served(request, body)
 
 
 @openai_routes.post("/v1/completions", response_model=None)
 async def completions(request: Request, body: CompletionRequest) -> Response:
-    check_prompt_count(request.app.state.settings.limits, body)  # 400 before any tokenizing
-    return await serve_request(_rt(request), request, body, "/v1/completions")
+    return await _served(request, body)
 
 
 @openai_routes.get("/v1/models")

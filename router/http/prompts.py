@@ -9,8 +9,9 @@ id lists); vLLM runs each as its own sequence, `n` (or `best_of`) times. So:
                          the quota (`relay.reserve_quota`) and the fair queue's ticket
                          (`RoutingRequest.sequences`)
     check_prompt_count   more than `limits.max_prompts_per_request` prompts: 400 (param
-                         `prompt`), raised by the handler before anything is tokenized, reserved
-                         or queued, so a 100,000-prompt body costs its JSON parse and no more
+                         `prompt`), checked first in `relay.serve_request` (either lane),
+                         before anything is tokenized, reserved or queued, so a 100,000-prompt
+                         body costs its JSON parse and no more
     quota_prompt_tokens  the prompt tokens a quota reserves: the tokenizer's count when it is
                          exact; with the approximate tokenizer an upper bound of what the replica
                          will report (`controlplane.token_bound`: UTF-8 bytes of the text, of each
@@ -27,29 +28,21 @@ from __future__ import annotations
 from controlplane.errors import TooManyPromptsError
 from controlplane.token_bound import chat_bound, prompt_bound
 from router.config import LimitsConfig
-from router.http.openai_api import ChatCompletionRequest, CompletionRequest
+from router.http.lean import OpenAIRequest
 
 
-def prompt_count(body: ChatCompletionRequest | CompletionRequest) -> int:
-    if isinstance(body, ChatCompletionRequest):
-        return 1
-    p = body.prompt
-    if isinstance(p, str) or not p or isinstance(p[0], int):
-        return 1
-    return len(p)
+def prompt_count(req: OpenAIRequest) -> int:
+    """1 for a chat request; the prompts of a completions request (a batch may hold several)."""
+    return len(req.prompts) if req.prompts is not None else 1
 
 
-def sequences(body: ChatCompletionRequest | CompletionRequest) -> int:
+def sequences(req: OpenAIRequest) -> int:
     """Sequences the request makes a replica run: prompts x max(n, best_of)."""
-    best_of = (body.model_extra or {}).get("best_of")
-    per_prompt = max(body.n, best_of if isinstance(best_of, int) else 1)
-    return per_prompt * prompt_count(body)
+    return req.sequences_per_prompt * prompt_count(req)
 
 
-def check_prompt_count(
-    limits: LimitsConfig, body: ChatCompletionRequest | CompletionRequest
-) -> None:
-    n = prompt_count(body)
+def check_prompt_count(limits: LimitsConfig, req: OpenAIRequest) -> None:
+    n = prompt_count(req)
     if n > limits.max_prompts_per_request:
         raise TooManyPromptsError(
             f"the request carries {n} prompts; this router accepts at most "
@@ -58,24 +51,21 @@ def check_prompt_count(
 
 
 def quota_prompt_tokens(
-    tokenizer_mode: str,
-    template_tokens: int,
-    body: ChatCompletionRequest | CompletionRequest,
-    estimate: int,
+    tokenizer_mode: str, template_tokens: int, req: OpenAIRequest, estimate: int
 ) -> int:
     """Prompt tokens to reserve: `estimate` (the router's count) unless the tokenizer is the
     approximate one, then at least the bound of `controlplane.token_bound`."""
     if tokenizer_mode != "approx":
         return estimate
-    if isinstance(body, ChatCompletionRequest):
+    if req.messages is not None:
         bound = chat_bound(
-            [m.model_dump(exclude_none=True) for m in body.messages],
+            req.messages,
             overhead=template_tokens,
-            tools=body.tools,
-            chat_template_kwargs=body.chat_template_kwargs,
+            tools=req.tools,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
     else:
-        bound = sum(prompt_bound(x) for x in body.prompts())
+        bound = sum(prompt_bound(x) for x in req.prompts or ())
     return max(estimate, bound)
 
 

@@ -19,25 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import httpx
 
 from controlplane.errors import UpstreamError, UpstreamTimeoutError
 from router.fleet.health import FailureReason, SlowReason
 from router.fleet.live_fleet import LiveFleet
-
-
-@functools.lru_cache(maxsize=1024)
-def _url(base: str, path: str) -> httpx.URL:
-    """An absolute URL object, parsed once per replica and path (httpx parses a string on every
-    request, which costs more than the rest of building it)."""
-    return httpx.URL(base.rstrip("/") + path)
+from router.http.h1 import ConnectFailed, Header, UpstreamBroken
+from router.http.upstream import UpstreamResponse
 
 
 class RetryBudget:
@@ -86,11 +78,15 @@ class Upstream:
     """An accepted upstream response whose first body chunk has arrived (or that is complete)."""
 
     replica_id: str
-    response: httpx.Response
-    chunks: AsyncIterator[bytes]
+    response: UpstreamResponse
+    status: int
     first: bytes
     first_at: float
     extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def content_type(self) -> str:
+        return self.response.header(b"content-type", b"application/json").decode("latin-1")
 
     async def aclose(self) -> None:
         with contextlib.suppress(Exception):
@@ -113,87 +109,74 @@ class Proxy:
         self.budget = RetryBudget(retry_budget)
 
     async def open(
-        self, replica_id: str, path: str, payload: bytes, headers: dict[str, str]
+        self, replica_id: str, path: str, payload: bytes, headers: Sequence[Header]
     ) -> Upstream:
         """Send and wait for the first chunk. Raises NotAccepted, UpstreamError, or returns an
         error response as an `Upstream` whose status is >= 400 (body read whole)."""
         rep = self.fleet.get(replica_id)
-        req = rep.client.build_request(
-            "POST", _url(rep.url, path), content=payload, headers=headers
-        )
         deadline = time.monotonic() + self.ttft_s
         try:
             async with asyncio.timeout(self.ttft_s):
-                resp = await rep.client.send(req, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                resp = await rep.upstream.request(b"POST", path, headers, payload)
+        except ConnectFailed as exc:
             self.fleet.record_failure(replica_id, FailureReason.CONNECT)
             raise NotAccepted("connect") from exc
         except TimeoutError:
             self.fleet.record_slow(replica_id, SlowReason.TTFT)
             raise UpstreamTimeoutError(f"replica {replica_id} sent no response in time") from None
-        except httpx.HTTPError as exc:
+        except UpstreamBroken as exc:
             self.fleet.record_failure(replica_id, FailureReason.RESET)
-            raise UpstreamError(f"replica {replica_id} failed: {type(exc).__name__}") from None
-        if resp.status_code == 503:
+            raise UpstreamError(f"replica {replica_id} failed: {exc}") from None
+        status = resp.status
+        if status == 503:
             await resp.aclose()
             self.fleet.record_failure(replica_id, FailureReason.STATUS_5XX)
             raise NotAccepted("503")
-        if resp.status_code >= 400:
+        if status >= 400:
             try:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):
-                    body = await resp.aread()
-            except (TimeoutError, httpx.HTTPError):
+                    body = await resp.read()
+            except (TimeoutError, UpstreamBroken):
                 body = b""
             finally:
                 await resp.aclose()
-            if resp.status_code >= 500:
+            if status >= 500:
                 self.fleet.record_failure(replica_id, FailureReason.STATUS_5XX)
-            return Upstream(replica_id, resp, _empty(), body, time.monotonic())
-        chunks = resp.aiter_raw()
+            return Upstream(replica_id, resp, status, body, time.monotonic())
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                first = await anext(chunks, b"")
+                first = await resp.next_chunk()
         except TimeoutError:
             await resp.aclose()
             self.fleet.record_slow(replica_id, SlowReason.TTFT)
             raise UpstreamTimeoutError(f"replica {replica_id}: no first token in time") from None
-        except httpx.HTTPError as exc:
+        except UpstreamBroken as exc:
             await resp.aclose()
             self.fleet.record_failure(replica_id, FailureReason.RESET)
-            raise UpstreamError(f"replica {replica_id} failed: {type(exc).__name__}") from None
+            raise UpstreamError(f"replica {replica_id} failed: {exc}") from None
         except BaseException:
             await resp.aclose()
             raise
-        return Upstream(replica_id, resp, chunks, first, time.monotonic())
+        return Upstream(replica_id, resp, status, first or b"", time.monotonic())
 
-    async def rest(self, up: Upstream) -> AsyncIterator[bytes]:
-        """The chunks after the first, each within `idle_s`; raises UpstreamError when the
-        replica breaks the stream or goes silent."""
-        while True:
-            try:
-                async with asyncio.timeout(self.idle_s):
-                    chunk = await anext(up.chunks, None)
-            except TimeoutError:
-                self.fleet.record_slow(up.replica_id, SlowReason.IDLE)
-                raise UpstreamError(f"replica {up.replica_id} went silent mid-stream") from None
-            except httpx.HTTPError as exc:
-                self.fleet.record_failure(up.replica_id, FailureReason.STREAM_DIED)
-                raise UpstreamError(
-                    f"replica {up.replica_id} broke the stream: {type(exc).__name__}"
-                ) from None
-            if chunk is None:
-                return
-            yield chunk
-
-
-async def _empty() -> AsyncIterator[bytes]:
-    return
-    yield b""  # pragma: no cover
+    async def next(self, up: Upstream) -> bytes | None:
+        """The body bytes that arrived since the last call, within `idle_s` (None: the end);
+        raises UpstreamError when the replica breaks the stream or goes silent."""
+        try:
+            return await up.response.next_chunk(self.idle_s)
+        except TimeoutError:
+            self.fleet.record_slow(up.replica_id, SlowReason.IDLE)
+            raise UpstreamError(f"replica {up.replica_id} went silent mid-stream") from None
+        except UpstreamBroken as exc:
+            self.fleet.record_failure(up.replica_id, FailureReason.STREAM_DIED)
+            raise UpstreamError(f"replica {up.replica_id} broke the stream: {exc}") from None
 
 
 class SSEFilter:
-    """Splits a byte stream into SSE events; records usage, `[DONE]`; drops the usage-only
-    chunk the client did not ask for."""
+    """Reads what settlement needs from the relayed SSE stream (usage, `[DONE]`, how many
+    content events) and drops the usage-only chunk the client did not ask for; every other
+    byte goes through unchanged, split into events only where a chunk holds usage or
+    `[DONE]` or ends mid-event."""
 
     def __init__(self, keep_usage: bool) -> None:
         self.keep_usage = keep_usage
@@ -203,6 +186,12 @@ class SSEFilter:
         self.content_events = 0
 
     def feed(self, chunk: bytes) -> bytes:
+        """The bytes to relay for `chunk`. Whole events that carry neither usage nor `[DONE]`
+        (nearly every chunk of a stream) pass through as they came, only counted."""
+        plain = b'"usage"' not in chunk and b"[DONE]" not in chunk
+        if plain and not self.buf and chunk.endswith(b"\n\n"):
+            self.content_events += chunk.count(b"\n\n")
+            return chunk
         self.buf += chunk
         out: list[bytes] = []
         while True:

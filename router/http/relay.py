@@ -1,36 +1,44 @@
-"""One OpenAI request through the router, from validated body to the last byte relayed.
+"""One OpenAI request through the router, from its parsed body to the last byte relayed.
 
     build + quota + route               4xx / 503 before anything is reserved or sent; the quota
                                         holds prompt + max_tokens (429/503 when it cannot)
-    open (race with client disconnect)  the first chunk, with at most one transparent retry
-    relay                               streamed: chunk by chunk (RelayResponse); else whole
+    open (cancellable)                  the first chunk, with at most one transparent retry
+    relay                               streamed: the replica's bytes as they come (SSEFilter
+                                        reads usage, [DONE] and counts events); else whole
     close                               the request's scope ends exactly once, in every path
                                         (router/scope.py: quota settled, fair-queue slot freed,
                                         routing books released, demand and telemetry told),
                                         then the upstream response is closed
 
-A client that disconnects while the router waits for the replica cancels the upstream call at
-once (the connection to the replica is closed, which makes vLLM abort the request); during a
-stream, the ASGI server's disconnect cancels the relay, with the same effect.
+`serve_request` speaks ASGI itself (it sends its response, refusals included, as OpenAI error
+bodies), so the hot endpoints run it without a framework in between (`router/http/hot.py`), and
+the FastAPI endpoints run the same function for bodies only the full validation accepts.
+
+The body goes upstream as it came, with the router's rewrites spliced in (`upstream_payload`):
+the tenant's `cache_salt`, `stream_options.include_usage` when streaming, and the quota's
+`max_tokens` when the request has none.
+
+A client that disconnects while the router waits for the replica (the fair queue, the first
+chunk, the stream) cuts the wait short (`router/http/watch.py`): the upstream connection is
+closed, which makes vLLM abort the request.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
+import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Mapping
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from controlplane.errors import (
+    ControlPlaneError,
     NoReadyReplicaError,
     QuotaExceededError,
     QuotaUnavailableError,
@@ -40,9 +48,13 @@ from controlplane.routing.books import Routed
 from controlplane.tenancy.identity import KeyRejected
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import Reservation
-from router.http.openai_api import ChatCompletionRequest, CompletionRequest, sse_error_event
-from router.http.prompts import quota_prompt_tokens, sequences
+from router.http.h1 import Header
+from router.http.lean import OpenAIRequest
+from router.http.openai_api import error_of, sse_error_event
+from router.http.prompts import check_prompt_count, quota_prompt_tokens, sequences
 from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage
+from router.http.splice import set_members, set_nested
+from router.http.watch import ClientGone, ClientWatch
 from router.runtime import RouterRuntime
 from router.scope import Outcome, RequestScope
 from router.telemetry.logs import request_context
@@ -55,74 +67,73 @@ from router.telemetry.tracing import (
     span_name,
 )
 
-T = TypeVar("T")
+log = logging.getLogger("controlplane.router")
 _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_JSON = b"application/json"
+_SSE = b"text/event-stream; charset=utf-8"
 
 
-class ClientGone(Exception):
-    """The client disconnected before the answer was ready."""
-
-
-def request_id_of(request: Request) -> str:
-    given = request.headers.get("x-request-id", "")
+def request_id_of(headers: Mapping[str, str]) -> str:
+    given = headers.get("x-request-id", "")
     return given if _RID.match(given) else f"cp-{uuid.uuid4().hex}"
 
 
-async def _disconnected(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
-async def race_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """`work`, cancelled the moment the client disconnects (raises ClientGone)."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        watch.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
-        raise
-    if task.done():
-        watch.cancel()
-        await asyncio.gather(watch, return_exceptions=True)
-        return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone
-
-
-def authenticate(rt: RouterRuntime, request: Request) -> Tenant:
+def authenticate(rt: RouterRuntime, headers: Mapping[str, str]) -> Tenant:
     """The request's tenant, from its API key alone (401 otherwise, counted by reason)."""
     try:
-        return rt.tenancy.authenticate(request.headers)
+        return rt.tenancy.authenticate(headers)
     except KeyRejected as exc:
         rt.metrics.auth_failures.labels(exc.reason).inc()
         raise
 
 
 def upstream_payload(
-    body: ChatCompletionRequest | CompletionRequest,
+    req: OpenAIRequest,
     rt: RouterRuntime,
     cache_salt: str | None = None,
     max_tokens: int | None = None,
 ) -> bytes:
-    """The body sent to the replica; `cache_salt` (the router's choice) overwrites the client's;
-    `max_tokens` (the quota's cap) is injected when the request has none."""
-    data: dict[str, Any] = body.model_dump(mode="json", exclude_unset=True)
-    if cache_salt is not None:
-        data["cache_salt"] = cache_salt
-    if body.stream:
-        opts = dict(data.get("stream_options") or {})
-        opts["include_usage"] = True
-        data["stream_options"] = opts
+    """The body sent to the replica: the client's bytes with `cache_salt` (the router's choice)
+    overwriting the client's, `stream_options.include_usage` set when streaming, and
+    `max_tokens` (the quota's cap) injected when the request has none (router/http/splice.py)."""
+    top: dict[str, bytes] = {}
+    if cache_salt is not None and req.client_salt != cache_salt:
+        top["cache_salt"] = json.dumps(cache_salt).encode()
     cap = max_tokens if max_tokens is not None else rt.settings.limits.default_max_tokens
-    if cap is not None and body.output_cap is None:
-        data["max_tokens"] = cap
-    return json.dumps(data, separators=(",", ":")).encode()
+    if cap is not None and req.output_cap is None:
+        top["max_tokens"] = str(int(cap)).encode()
+    opts = req.data.get("stream_options")
+    if req.stream and not (isinstance(opts, dict) and opts.get("include_usage") is True):
+        return set_nested(req.body, req.data, "stream_options", {"include_usage": b"true"}, top)
+    return set_members(req.body, req.data, top)
+
+
+async def send_json(
+    send: Send, status: int, body: bytes, headers: list[Header], content_type: bytes = _JSON
+) -> None:
+    head = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, exc: ControlPlaneError, rid: str | None) -> None:
+    """An OpenAI error body with the exception's status (and e.g. Retry-After)."""
+    status, body = error_of(exc)
+    if status >= 500:
+        log.warning("request failed: %s", exc)
+    headers = _headers({"x-request-id": rid} if rid else {}, exc.response_headers())
+    await send_json(send, status, json.dumps(body).encode(), headers)
+
+
+async def _send_499(send: Send) -> None:
+    """The client left: nobody reads this, the status is for the server's own books."""
+    head = [(b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 499, "headers": head})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def _headers(*maps: Mapping[str, str]) -> list[Header]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for m in maps for k, v in m.items()]
 
 
 class Exchange:
@@ -134,13 +145,14 @@ class Exchange:
         self.scope = scope
         self.sse = SSEFilter(keep_usage)
         self.up: Upstream | None = None
+        self.failed = False
 
     @property
     def routed(self) -> Routed:
         assert self.scope.routed is not None
         return self.scope.routed
 
-    async def open(self, path: str, payload: bytes, headers: dict[str, str]) -> Upstream:
+    async def open(self, path: str, payload: bytes, headers: list[Header]) -> Upstream:
         rt, scope = self.rt, self.scope
         core, proxy = rt.core, rt.proxy
         proxy.budget.deposit()
@@ -162,36 +174,56 @@ class Exchange:
                 rt.metrics.retries.labels(exc.kind).inc()
                 continue
             self.up = up
-            status = up.response.status_code
-            if status < 400:
+            if up.status < 400:
                 scope.first_token(up.first_at)
-            elif status < 500:
+            elif up.status < 500:
                 scope.refused_by_replica = True
             return up
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The relayed stream: the first chunk, then the rest; an SSE error event on failure."""
+    async def relay(self, send: Send, headers: list[Header], watch: ClientWatch) -> None:
+        """Stream the replica's bytes to the client (an SSE error event ends a broken stream),
+        then close, whatever happened."""
         assert self.up is not None
-        scope, sse = self.scope, self.sse
-        out = sse.feed(self.up.first)
-        if out:
-            yield out
+        scope, sse, proxy, up = self.scope, self.sse, self.rt.proxy, self.up
         try:
-            async for chunk in self.rt.proxy.rest(self.up):
-                seen = sse.content_events
-                out = sse.feed(chunk)
-                scope.tokens(sse.content_events - seen, time.monotonic())
+            head = [(b"content-type", _SSE), *headers]
+            await send({"type": "http.response.start", "status": 200, "headers": head})
+            async with watch.cancellable():
+                out = sse.feed(up.first)
                 if out:
-                    yield out
-        except UpstreamError as exc:
-            self.failed = True
-            yield sse_error_event(502, str(exc), "upstream_died")
-            return
-        if not sse.done:
-            self.failed = True
-            yield sse_error_event(502, "the replica ended the stream early", "upstream_died")
-
-    failed: bool = False
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                try:
+                    while (chunk := await proxy.next(up)) is not None:
+                        seen = sse.content_events
+                        out = sse.feed(chunk)
+                        scope.tokens(sse.content_events - seen, time.monotonic())
+                        if out:
+                            msg = {"type": "http.response.body", "body": out, "more_body": True}
+                            await send(msg)
+                    if not sse.done:
+                        self.failed = True
+                        out = sse_error_event(
+                            502, "the replica ended the stream early", "upstream_died"
+                        )
+                except UpstreamError as exc:
+                    self.failed = True
+                    out = sse_error_event(502, str(exc), "upstream_died")
+                else:
+                    out = out if self.failed else b""
+                await send({"type": "http.response.body", "body": out, "more_body": False})
+        except ClientGone:
+            pass
+        finally:
+            # a client that closes as soon as it has `[DONE]` (the OpenAI SDK) was served
+            if self.failed:
+                outcome, status = Outcome.UPSTREAM_DIED, "upstream_died"
+            elif sse.done:
+                outcome, status = Outcome.COMPLETED, "200"
+            else:
+                outcome, status = Outcome.CLIENT_CLOSED, "client_closed"
+                if not scope.ended:
+                    self.rt.metrics.client_disconnects.inc()  # left mid-stream
+            await self.close(outcome, status)
 
     async def close(self, outcome: Outcome, status: str) -> None:
         """End the scope (first, before any await: nothing can skip it), then the upstream."""
@@ -208,71 +240,96 @@ def _refusal(kind: str, message: str) -> Exception:
     return NoReadyReplicaError(message) if kind == "503" else UpstreamError(message)
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response that closes its exchange however the stream ends (even when the
-    client left before it started)."""
-
-    def __init__(self, exchange: Exchange, headers: dict[str, str]) -> None:
-        super().__init__(exchange.chunks(), media_type="text/event-stream", headers=headers)
-        self.exchange = exchange
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        ex = self.exchange
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # a client that closes as soon as it has `[DONE]` (the OpenAI SDK) was served; Ray
-            # Serve then cancels the response task while it sends the body's end
-            if ex.failed:
-                outcome, status = Outcome.UPSTREAM_DIED, "upstream_died"
-            elif ex.sse.done:
-                outcome, status = Outcome.COMPLETED, "200"
-            else:
-                outcome, status = Outcome.CLIENT_CLOSED, "client_closed"
-                if not ex.scope.ended:
-                    ex.rt.metrics.client_disconnects.inc()  # left mid-stream
-            await ex.close(outcome, status)
-
-
 async def serve_request(
+    rt: RouterRuntime, scope: Scope, receive: Receive, send: Send, req: OpenAIRequest
+) -> None:
+    """Serve one parsed request on an ASGI connection whose body was read (see the module
+    docstring); every refusal is sent as an OpenAI error body, a bug as a 500 one."""
+    watch = ClientWatch(receive)
+    state = _State()
+    try:
+        await _serve(rt, scope, send, req, watch, state)
+    except Exception:
+        log.exception("request %s: unexpected error", state.rid)
+        if not state.started:
+            body = json.dumps(
+                {
+                    "error": {
+                        "message": "internal error in the router",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "internal_error",
+                    }
+                }
+            ).encode()
+            await send_json(send, 500, body, _headers({"x-request-id": state.rid}))
+    finally:
+        watch.close()
+
+
+class _State:
+    __slots__ = ("rid", "started")
+
+    def __init__(self) -> None:
+        self.rid = ""
+        self.started = False
+
+
+async def _serve(
     rt: RouterRuntime,
-    request: Request,
-    body: ChatCompletionRequest | CompletionRequest,
-    path: str,
-) -> Response:
+    asgi: Scope,
+    send: Send,
+    req: OpenAIRequest,
+    watch: ClientWatch,
+    state: _State,
+) -> None:
     started = time.monotonic()
-    rid = request_id_of(request)
-    request.state.request_id = rid
+    headers = Headers(scope=asgi)
+    state.rid = rid = request_id_of(headers)
+    asgi.setdefault("state", {})["request_id"] = rid  # FastAPI's error handlers read it
     # every log line of this request's task carries its id (each request runs in its own task)
     request_context.set({**request_context.get(), "request_id": rid})
+    path: str = asgi["path"]
     op = operation_for_path(path)
     tracer = rt.tracer
     root = tracer.start_span(
-        span_name(op, body.model), context=extract_context(request.headers), kind=SpanKind.SERVER
+        span_name(op, req.model), context=extract_context(headers), kind=SpanKind.SERVER
     )
-    set_request_attributes(root, operation=op, model=body.model, max_tokens=body.output_cap)
+    set_request_attributes(root, operation=op, model=req.model, max_tokens=req.output_cap)
     root.set_attribute("cp.request_id", rid)
     try:
-        tenant = authenticate(rt, request)  # first: an unknown key is refused before any work
+        tenant = authenticate(rt, headers)  # first: an unknown key is refused before any work
     except BaseException as exc:
         root.set_attribute("error.type", type(exc).__name__)
         root.end()
+        if isinstance(exc, ControlPlaneError):
+            state.started = True
+            await send_error(send, exc, rid)
+            return
         raise
     root.set_attribute("cp.tenant", tenant.tenant_id)
-    scope = rt.scope(rid, tenant, body.model, stream=bool(body.stream), started_s=started)
+    scope = rt.scope(rid, tenant, req.model, stream=req.stream, started_s=started)
     scope.spans = (root,)
     try:
         with trace.use_span(root, end_on_exit=False), tracer.start_as_current_span("route") as sp:
-            given = body.user or request.headers.get("x-session-id")
+            given = req.user or headers.get("x-session-id")
             # a session key is the tenant's own: another tenant naming it changes nothing
             session = f"{tenant.tenant_id}:{given}" if given else None
-            req = await rt.core.build(body, request_id=rid, tenant=tenant, session=session)
-            scope.request = req
-            scope.reservation = await reserve_quota(rt, tenant, body, req.prompt_tokens)
-            scope.admitted()  # demand for the autoscaler: admitted work, queued or not
-            # the tenant's turn in the fair queue (waits while no replica has room)
-            scope.ticket = ticket = await race_disconnect(request, rt.fairq.acquire(tenant, req))
-            routed = await rt.core.route(req, allowed=ticket.room)
+            check_prompt_count(rt.settings.limits, req)  # 400 before any tokenizing
+            built = await rt.core.build(req, request_id=rid, tenant=tenant, session=session)
+            scope.request = built
+            # the index lookup's round trip overlaps the quota's: one on the critical path
+            lookup = rt.core.prefetch(built)
+            try:
+                scope.reservation = await reserve_quota(rt, tenant, req, built.prompt_tokens)
+                scope.admitted()  # demand for the autoscaler: admitted work, queued or not
+                # the tenant's turn in the fair queue (waits while no replica has room)
+                async with watch.cancellable():
+                    scope.ticket = ticket = await rt.fairq.acquire(tenant, built)
+            except BaseException:
+                rt.core.discard(lookup)
+                raise
+            routed = await rt.core.route(built, allowed=ticket.room, prefetched=lookup)
             scope.routed = routed
             rt.fairq.place(ticket, routed.replica_id, rt.profile_of(routed))
             for span in (sp, root):
@@ -281,57 +338,67 @@ async def serve_request(
         root.set_attribute("error.type", "client_closed")
         scope.end(Outcome.CLIENT_CLOSED, "499")
         rt.metrics.client_disconnects.inc()
-        return Response(status_code=499)
+        state.started = True
+        await _send_499(send)
+        return
     except BaseException as exc:
         root.set_attribute("error.type", type(exc).__name__)
         scope.end(Outcome.REJECTED, str(getattr(exc, "status_code", 500)))
+        if isinstance(exc, ControlPlaneError):
+            state.started = True
+            await send_error(send, exc, rid)
+            return
         raise
-    keep_usage = bool(body.stream_options and body.stream_options.include_usage)
-    ex = Exchange(rt, scope, keep_usage)
+    ex = Exchange(rt, scope, req.include_usage)
     upstream = tracer.start_span(
         "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT
     )
     scope.spans = (upstream, root)
     decision_attributes(upstream, scope)
-    headers = {"content-type": "application/json", "x-request-id": rid}
-    inject_headers(headers, trace.set_span_in_context(upstream))
+    up_headers = {"content-type": "application/json", "x-request-id": rid}
+    inject_headers(up_headers, trace.set_span_in_context(upstream))
     reservation = scope.reservation
     try:
         cap = reservation.max_tokens if reservation is not None else None
-        payload = upstream_payload(body, rt, routed.request.cache_salt, cap)
-        up = await race_disconnect(request, ex.open(path, payload, headers))
-        out_headers = {"x-request-id": rid, **rt.decision_header(routed)}
+        payload = upstream_payload(req, rt, routed.request.cache_salt, cap)
+        async with watch.cancellable():
+            up = await ex.open(path, payload, _headers(up_headers))
+        out = {"x-request-id": rid, **rt.decision_header(routed)}
         if reservation is not None:
-            out_headers |= reservation.headers()  # x-ratelimit-*-tokens, as OpenAI sends
-        if up.response.status_code >= 400:
-            await ex.close(Outcome.REPLICA_ERROR, str(up.response.status_code))
-            return Response(
-                up.first,
-                status_code=up.response.status_code,
-                media_type=up.response.headers.get("content-type", "application/json"),
-                headers=out_headers,
-            )
-        if body.stream:
-            return RelayResponse(ex, out_headers)
-        data = await race_disconnect(request, _read_rest(rt, up))
+            out |= reservation.headers()  # x-ratelimit-*-tokens, as OpenAI sends
+        out_headers = _headers(out)
+        state.started = True
+        if up.status >= 400:
+            await ex.close(Outcome.REPLICA_ERROR, str(up.status))
+            ctype = up.content_type.encode("latin-1")
+            await send_json(send, up.status, up.first, out_headers, ctype)
+            return
+        if req.stream:
+            await ex.relay(send, out_headers, watch)
+            return
+        async with watch.cancellable():
+            data = await _read_rest(rt, up)
         scope.usage = _usage_of(data)
         scope.last_at = time.monotonic()
         await ex.close(Outcome.COMPLETED, "200")
-        return Response(data, media_type="application/json", headers=out_headers)
+        await send_json(send, 200, data, out_headers)
     except ClientGone:
         await ex.close(Outcome.CLIENT_CLOSED, "client_closed")
         rt.metrics.client_disconnects.inc()
-        return Response(status_code=499)
+        if not state.started:
+            state.started = True
+            await _send_499(send)
     except BaseException as exc:
         await ex.close(Outcome.UPSTREAM_FAILED, str(getattr(exc, "status_code", 500)))
+        if isinstance(exc, ControlPlaneError) and not state.started:
+            state.started = True
+            await send_error(send, exc, rid)
+            return
         raise
 
 
 async def reserve_quota(
-    rt: RouterRuntime,
-    tenant: Tenant,
-    body: ChatCompletionRequest | CompletionRequest,
-    prompt_tokens: int,
+    rt: RouterRuntime, tenant: Tenant, req: OpenAIRequest, prompt_tokens: int
 ) -> Reservation | None:
     """Hold `prompt + sequences x max_tokens` of the tenant's quota before the request is queued
     (None: no quota); a request without max_tokens gets the quota's cap injected."""
@@ -339,15 +406,15 @@ async def reserve_quota(
     default_cap = min(limits.default_max_tokens or q.default_max_tokens, limits.max_tokens)
     # approx tokenizer: an upper bound of what the replica will count, not the estimate
     prompt_tokens = quota_prompt_tokens(
-        rt.tokenizer.mode, q.approx_template_tokens, body, prompt_tokens
+        rt.tokenizer.mode, q.approx_template_tokens, req, prompt_tokens
     )
     try:
         return await rt.quotas.reserve(
             tenant,
             prompt_tokens,
-            body.output_cap,
+            req.output_cap,
             default_cap=default_cap,
-            sequences=sequences(body),
+            sequences=sequences(req),
         )
     except (QuotaExceededError, QuotaUnavailableError) as exc:
         rt.metrics.quota_rejections.labels(tenant.tenant_id, exc.reason).inc()
@@ -356,7 +423,7 @@ async def reserve_quota(
 
 async def _read_rest(rt: RouterRuntime, up: Upstream) -> bytes:
     parts = [up.first]
-    async for chunk in rt.proxy.rest(up):
+    while (chunk := await rt.proxy.next(up)) is not None:
         parts.append(chunk)
     return b"".join(parts)
 
@@ -368,4 +435,4 @@ def _usage_of(data: bytes) -> Usage | None:
         return None
 
 
-__all__ = ["Callable", "ClientGone", "RelayResponse", "race_disconnect", "serve_request"]
+__all__ = ["ClientGone", "Exchange", "serve_request", "upstream_payload"]

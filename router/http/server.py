@@ -46,7 +46,10 @@ class RouterHttpServer:
         *,
         host: str | None = None,
         port: int | None = None,
+        sock: socket.socket | None = None,
     ) -> None:
+        """`sock`: a listening socket to serve on instead of binding host:port (a worker of
+        `controlplane serve --workers`, whose sockets share the port)."""
         if app is None:
             from router.http.service import create_app
 
@@ -55,7 +58,9 @@ class RouterHttpServer:
         self.app = app
         host = settings.host if host is None else host
         self.host = host
-        self.sockets = [bind(host, settings.port if port is None else port)]
+        self.sockets = [
+            sock if sock is not None else bind(host, settings.port if port is None else port)
+        ]
         served: ASGIApp = app
         t = settings.telemetry
         if t.metrics_port is not None:

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from controlplane.errors import ControlPlaneError
 from router.config import RouterSettings
 from router.http.endpoints import admin_routes, openai_routes, ops_routes
+from router.http.hot import FastLane
 from router.http.limits import BodyLimitMiddleware
 from router.http.openai_api import error_body, error_of, validation_message
 from router.runtime import RouterRuntime
@@ -59,6 +60,8 @@ def create_app(settings: RouterSettings, runtime: RouterRuntime | None = None) -
     app.include_router(openai_routes)
     app.include_router(ops_routes)
     app.include_router(admin_routes)
+    # the hot endpoints' fast lane (router/http/hot.py), inside the body limit
+    app.add_middleware(FastLane)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.limits.max_body_bytes,

@@ -3,7 +3,8 @@
 The corpus (`bad_input_corpus.py`) goes through a live router (uvicorn, real sockets) in front of
 two simulated replicas: each case must get its 4xx with an OpenAI error body, and no request may
 reach a replica. "Reached" is counted twice: every request the router sends to a replica other
-than its health probes and metrics scrapes (an httpx event hook on the replicas' clients), and the
+than its health probes and metrics scrapes (a hook on the proxy's upstream client, and an httpx
+event hook on the client of probes, scrapes and remote tokenization), and the
 replicas' own counters (`vllm:request_success_total`, `vllm:prompt_tokens_total`, the end-to-end
 latency count). Odd but valid requests are forwarded, which shows both counters do count.
 
@@ -105,6 +106,10 @@ class UpstreamLog:
             with self.lock:
                 self.sent.append(f"{request.method} {request.url}")
 
+    def sent_by_proxy(self, method: bytes, path: str) -> None:
+        with self.lock:
+            self.sent.append(f"{method.decode()} {path}")
+
     def count(self) -> int:
         with self.lock:
             return len(self.sent)
@@ -153,6 +158,8 @@ def live(model_dir: Path) -> Iterator[LiveRouter]:
 
             def install() -> None:
                 for rep in server.runtime.fleet.replicas():
+                    # the proxy's client (probes and scrapes use `rep.client`)
+                    rep.upstream.on_send.append(log.sent_by_proxy)
                     hooks = rep.client.event_hooks
                     rep.client.event_hooks = {
                         "request": [*hooks["request"], log.hook],

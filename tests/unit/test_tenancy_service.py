@@ -4,6 +4,7 @@ prompts hash in its own scope, and /admin/tenants manages tenants without ever s
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import tenant_salt
 from controlplane.types import PriorityClass, RoutingRequest
 from router.config import load_settings
-from router.http.openai_api import ChatCompletionRequest
+from router.http.lean import parse
 from router.http.service import create_app
 from router.runtime import RouterRuntime
 
@@ -173,7 +174,9 @@ async def test_each_tenant_hashes_in_its_own_scope(svc: Svc) -> None:
     (_, a1), (_, b), (_, a2) = svc.built
     assert a1.block_hashes and a1.block_hashes == a2.block_hashes
     assert not set(a1.block_hashes) & set(b.block_hashes)
-    ids = (await svc.rt.core._tokens(ChatCompletionRequest(**chat())))[0].token_ids
+    parsed = parse(json.dumps(chat()).encode(), "chat")
+    assert parsed is not None
+    ids = (await svc.rt.core._tokens(parsed))[0].token_ids
     for req in (a1, b):
         salt = tenant_salt(SECRET.encode(), req.tenant)
         hasher = BlockHasher(req.block_size, scope_key(MODEL, None, salt, HASH_SECRET.encode()))
