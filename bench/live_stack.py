@@ -230,16 +230,24 @@ class OurRouter(_Process):
         )
 
 
-class VllmRouter(_Process):
-    """The Rust `vllm-router` with `--policy` in front of `urls`."""
-
-    name = "vllm-router"
+class _PeerRouter(_Process):
+    """A peer's router process with `--policy` in front of `urls` (its metrics on a port of
+    its own); ready when it answers /v1/models."""
 
     def __init__(self, urls: Sequence[str], policy: str) -> None:
         super().__init__()
         self.urls = list(urls)
         self.policy = policy
         self.prometheus_port = free_ports(1)[0]
+
+    def ready(self, client: httpx.Client) -> bool:
+        return client.get(f"{self.url}/v1/models").status_code == 200
+
+
+class VllmRouter(_PeerRouter):
+    """The Rust `vllm-router` with `--policy` in front of `urls`."""
+
+    name = "vllm-router"
 
     def argv(self) -> list[str]:
         binary = vllm_router_binary()
@@ -254,22 +262,13 @@ class VllmRouter(_Process):
             "--log-level", "warning",
         ]  # fmt: skip
 
-    def ready(self, client: httpx.Client) -> bool:
-        return client.get(f"{self.url}/v1/models").status_code == 200
 
-
-class SglangRouter(_Process):
+class SglangRouter(_PeerRouter):
     """The Rust `sglang-router` (pip package `sglang-router`, `sglang-router launch`) with
     `--policy` in front of `urls`: its HTTP router passes OpenAI requests through to any
     OpenAI-compatible worker."""
 
     name = "sglang-router"
-
-    def __init__(self, urls: Sequence[str], policy: str) -> None:
-        super().__init__()
-        self.urls = list(urls)
-        self.policy = policy
-        self.prometheus_port = free_ports(1)[0]
 
     def argv(self) -> list[str]:
         binary = sglang_router_binary()
@@ -283,9 +282,6 @@ class SglangRouter(_Process):
             "--prometheus-port", str(self.prometheus_port),
             "--log-level", "warn",
         ]  # fmt: skip
-
-    def ready(self, client: httpx.Client) -> bool:
-        return client.get(f"{self.url}/v1/models").status_code == 200
 
 
 # -- load generation --------------------------------------------------------------------------
