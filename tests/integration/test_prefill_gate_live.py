@@ -8,8 +8,13 @@ backlogged (the queue core's prefill gate and vLLM's long-prefill threshold, in 
     beside    A: 6 documents/s (6,000-token prompts, 64 output tokens), twice what the fleet
               prefills, so A's queue in the router grows; B as alone; after 10 s A's client
               leaves (its requests are released), and the next round starts
-    3 rounds, B's TTFT after the first 3 s of each window; its p99 beside A is within 2x of its
-    p99 alone.
+    5 rounds, B's TTFT after the first 3 s of each window; its p99 beside A is within 2x of its
+    p99 alone in the median round (1.1-1.8x by round on this machine kind, 1.5-1.6x in the median).
+
+A round is the unit because a shared CI box stalls now and then: one stall of a few hundred
+milliseconds sets the p99 of the window it falls in and says nothing about the queue, so the
+test reads the round in the middle, not the worst one (a queue that lets documents delay chats
+moves every round).
 
 B asks well inside its share of the fleet's work, even when the machine runs the simulated
 replicas at half their configured speed (a busy CI box): otherwise B would be backlogged too,
@@ -45,7 +50,7 @@ SPEED = 0.25
 KEYS = {"A": "cpk-gate-live-a", "B": "cpk-gate-live-b"}
 WEIGHTS = {"A": 1.0, "B": 2.0}
 CHAT_RATE, DOC_RATE = 16.0, 6.0
-ROUNDS, PHASE_S, WARMUP_S = 3, 10.0, 3.0
+ROUNDS, PHASE_S, WARMUP_S = 5, 10.0, 3.0
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -142,15 +147,15 @@ def test_chats_keep_their_first_tokens_beside_a_backlogged_document_tenant(
         # its own process, as in production: the client's work here takes no time from it
         router = RouterProcess(config, Path(tmp), 0)
         router.start()
-        alone: list[float] = []
-        both: list[float] = []
+        alone: list[list[float]] = []
+        both: list[list[float]] = []
         backlog: list[int] = []
         try:
             router.wait_ready(2)
             for r in range(ROUNDS):  # interleaved: drift on the machine hits both alike
-                alone += asyncio.run(load(router.url, PHASE_S, docs=False, seed=2 * r))[0]
+                alone.append(asyncio.run(load(router.url, PHASE_S, docs=False, seed=2 * r))[0])
                 ttfts, waiting = asyncio.run(load(router.url, PHASE_S, docs=True, seed=2 * r + 1))
-                both += ttfts
+                both.append(ttfts)
                 backlog.append(waiting)
             # the abandoned documents are released once the router sees their clients gone
             deadline = time.monotonic() + 15
@@ -164,8 +169,13 @@ def test_chats_keep_their_first_tokens_beside_a_backlogged_document_tenant(
             assert metric_value(text, "cp_in_flight_requests") == 0
         finally:
             router.stop()
-    b_alone, b_both = np.percentile(alone, 99), np.percentile(both, 99)
-    print(f"B TTFT p99 alone {b_alone * 1e3:.1f} ms, beside A {b_both * 1e3:.1f} ms; {backlog=}")
+    rounds = [
+        (float(np.percentile(a, 99)) * 1e3, float(np.percentile(b, 99)) * 1e3)
+        for a, b in zip(alone, both, strict=True)
+    ]
+    ratios = [b / a for a, b in rounds]
+    table = ", ".join(f"{a:.0f}/{b:.0f} ms" for a, b in rounds)
+    print(f"B TTFT p99 alone/beside A by round: {table}; {backlog=}")
     assert min(backlog) >= 10, "A was not backlogged"  # A asks more than the fleet prefills
-    assert len(alone) > 250 and len(both) > 250
-    assert b_both <= 2 * b_alone, (b_alone, b_both)
+    assert all(len(a) > 80 and len(b) > 80 for a, b in zip(alone, both, strict=True))
+    assert float(np.median(ratios)) <= 2.0, table
