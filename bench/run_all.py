@@ -14,6 +14,7 @@ BENCHES = (
     "sim_fidelity.py",
     "sim_speed.py",
     "routing_quality.py",
+    "routing_matrix.py",
     "index_bench.py",
     "router_overhead.py",
     "live_quality.py",

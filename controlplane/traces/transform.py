@@ -45,7 +45,7 @@ from controlplane.types import PriorityClass
 _M64 = (1 << 64) - 1
 
 
-def _derive(trace: Trace, requests: Sequence[TraceRequest], step: str, **meta: object) -> Trace:
+def derive(trace: Trace, requests: Sequence[TraceRequest], step: str, **meta: object) -> Trace:
     history = trace.meta.get("transforms", [])
     steps = [*history, step] if isinstance(history, list) else [step]
     return trace.with_requests(requests, transforms=steps, **meta)
@@ -60,17 +60,17 @@ def scale_rate(trace: Trace, s: float) -> Trace:
     if not s > 0:
         raise ConfigError(f"rate scale must be positive, got {s}")
     if not trace.requests:
-        return _derive(trace, [], f"scale_rate({s:g})")
+        return derive(trace, [], f"scale_rate({s:g})")
     t0 = trace.requests[0].arrival_s
     reqs = [replace(r, arrival_s=t0 + (r.arrival_s - t0) / s) for r in trace.requests]
-    return _derive(trace, reqs, f"scale_rate({s:g})")
+    return derive(trace, reqs, f"scale_rate({s:g})")
 
 
 def rebase(trace: Trace) -> Trace:
     """Shift arrivals so the first request arrives at 0."""
     if not trace.requests:
         return trace
-    return _derive(trace, _shifted(trace.requests, -trace.requests[0].arrival_s), "rebase")
+    return derive(trace, _shifted(trace.requests, -trace.requests[0].arrival_s), "rebase")
 
 
 def window(trace: Trace, start_s: float, end_s: float, *, rebase: bool = True) -> Trace:
@@ -79,7 +79,7 @@ def window(trace: Trace, start_s: float, end_s: float, *, rebase: bool = True) -
         raise ConfigError(f"empty window [{start_s}, {end_s})")
     picked = [r for r in trace.requests if start_s <= r.arrival_s < end_s]
     reqs = _shifted(picked, -start_s) if rebase else picked
-    return _derive(trace, reqs, f"window({start_s:g}, {end_s:g})")
+    return derive(trace, reqs, f"window({start_s:g}, {end_s:g})")
 
 
 def densest_window(
@@ -91,7 +91,7 @@ def densest_window(
     times = [r.arrival_s for r in trace.requests]
     n = len(times)
     if not n:
-        return _derive(trace, [], "densest_window(empty)")
+        return derive(trace, [], "densest_window(empty)")
     if requests is not None:
         if requests <= 0:
             raise ConfigError(f"requests must be positive, got {requests}")
@@ -112,14 +112,14 @@ def densest_window(
                 lo, hi = i, j
         step = f"densest_window(seconds={seconds:g})"
     picked = trace.requests[lo:hi]
-    return _derive(
+    return derive(
         trace, _shifted(picked, -picked[0].arrival_s), step, window_start_s=picked[0].arrival_s
     )
 
 
 def head(trace: Trace, n: int) -> Trace:
     """The first `n` requests."""
-    return _derive(trace, trace.requests[: max(0, n)], f"head({n})")
+    return derive(trace, trace.requests[: max(0, n)], f"head({n})")
 
 
 def _max_id(traces: Sequence[Trace]) -> int:
@@ -170,7 +170,7 @@ def concat(
             )
         next_id += len(remap)
     step = f"concat({', '.join(t.name for t in traces)}; gap={gap:g}, distinct={distinct_ids})"
-    return _derive(replace(traces[0], name=name or traces[0].name), out, step)
+    return derive(replace(traces[0], name=name or traces[0].name), out, step)
 
 
 def repeat(trace: Trace, k: int, *, gap_s: float | None = None, distinct_ids: bool = True) -> Trace:
@@ -221,7 +221,7 @@ def overlay_tenants(
         name = names[i]
         reqs.append(replace(r, tenant=name, priority=prio.get(name, PriorityClass.INTERACTIVE)))
     desc = ", ".join(f"{n}={w:g}" for n, w in zip(names, weights, strict=True))
-    return _derive(trace, reqs, f"overlay_tenants({desc}; salt={salt})")
+    return derive(trace, reqs, f"overlay_tenants({desc}; salt={salt})")
 
 
 def cap_output(trace: Trace, max_output: int, *, set_max_tokens: bool = True) -> Trace:
@@ -238,4 +238,4 @@ def cap_output(trace: Trace, max_output: int, *, set_max_tokens: bool = True) ->
         if set_max_tokens:
             limit = max_output if limit is None else min(limit, max_output)
         reqs.append(replace(r, output_tokens=out, id_tokens=id_tokens, max_tokens=limit))
-    return _derive(trace, reqs, f"cap_output({max_output})")
+    return derive(trace, reqs, f"cap_output({max_output})")

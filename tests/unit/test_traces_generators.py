@@ -216,3 +216,26 @@ def test_block_16_shares_the_whole_prefix() -> None:
     shared = sum(1 for x, y in zip(a.content_ids, b.content_ids, strict=True) if x == y)
     assert shared == 375
     assert _sizes(trace) == (2, 12200)
+
+
+def test_shared_prefix_zipf_makes_a_few_documents_hot() -> None:
+    trace = shared_prefix(groups=20, users=4, prefix=300, question=100, requests=2000, zipf=1.1)
+    groups = Counter(r.session_key.split("-")[0] for r in trace if r.session_key)
+    ranked = [count for _, count in groups.most_common()]
+    assert groups.most_common(1)[0][0] == "g0"  # the first group is the most popular
+    assert ranked[0] > 5 * ranked[-1]
+    assert sum(ranked[:4]) > sum(ranked) / 2  # a fifth of the documents, most of the requests
+    # a repeated (group, user) prompt is the identical request
+    by_key = defaultdict(set)
+    for r in trace:
+        by_key[r.session_key].add(r.content_ids)
+    assert all(len(ids) == 1 for ids in by_key.values())
+
+
+def test_shared_prefix_zipf_zero_is_the_round_walk() -> None:
+    kwargs: dict[str, int] = {"groups": 5, "users": 3, "prefix": 300, "question": 100}
+    assert shared_prefix(**kwargs, requests=30).requests == (
+        shared_prefix(**kwargs, requests=30, zipf=0.0).requests
+    )
+    with pytest.raises(ConfigError, match="zipf"):
+        shared_prefix(**kwargs, zipf=-1.0)

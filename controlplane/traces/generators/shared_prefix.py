@@ -15,6 +15,9 @@ Algorithm:
 2. The request sequence walks the pool in rounds; each round is a fresh shuffle of all prompts.
    `requests` defaults to one round (every prompt once); more rounds repeat prompts, and a
    repeated prompt shares its whole content with its earlier copy (identical request).
+   With `zipf` = s > 0 the groups are not equally popular: each request draws group g with
+   probability proportional to 1 / (g + 1)^s and one of its users uniformly (a few hot
+   documents and a long tail; s = 1 is Zipf's law).
 3. Arrivals are Poisson at `rate` requests/s from t = 0. Every request generates `output` tokens.
    `session_key` is `g<group>-u<user>` (one user = one session) and `tenant` is "default".
 """
@@ -45,6 +48,7 @@ def shared_prefix(
     output: int = 1000,
     rate: float = 5.0,
     requests: int = 0,
+    zipf: float = 0.0,
     seed: int = 0,
     block: int = DEFAULT_ID_BLOCK,
     namespace: int = 0,
@@ -52,8 +56,8 @@ def shared_prefix(
     """`groups` x `users` prompts sharing per-group prefixes, Poisson at `rate` (see module)."""
     check_positive(groups=groups, users=users, question=question, output=output, rate=rate)
     check_block(block)
-    if prefix < 0 or requests < 0:
-        raise ConfigError("prefix and requests must be non-negative")
+    if prefix < 0 or requests < 0 or zipf < 0:
+        raise ConfigError("prefix, requests and zipf must be non-negative")
     rng = random.Random(seed)
     ids = allocator("shared-prefix", seed, namespace)
     prompt_tokens = prefix + question
@@ -66,6 +70,10 @@ def shared_prefix(
 
     total = requests or len(pool)
     order: list[tuple[int, int, tuple[int, ...]]] = []
+    if zipf > 0:
+        weights = [1.0 / (g + 1) ** zipf for g in range(groups)]
+        for g in rng.choices(range(groups), weights, k=total):
+            order.append(pool[g * users + rng.randrange(users)])
     while len(order) < total:
         round_ = pool.copy()
         rng.shuffle(round_)
@@ -93,6 +101,7 @@ def shared_prefix(
             "output": output,
             "rate": rate,
             "requests": total,
+            "zipf": zipf,
             "seed": seed,
             "block": block,
         },
