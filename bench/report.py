@@ -26,6 +26,8 @@ PLOTS = (
     "router_overhead.png",
     "live_quality.png",
     "fairness.png",
+    "routing_matrix_goodput_rps.png",
+    "routing_matrix_ttft_p99.png",
 )
 
 
@@ -461,6 +463,66 @@ def _threshold_table(th: Any) -> str:
     )
 
 
+def saturated(data: Any) -> str:
+    rows = [
+        (
+            name,
+            r["replicas"],
+            f"{r['load_multiple']:.2f}",
+            f"{r['requests']:,}",
+            f"{r['trace_span_s']:,.0f}",
+            f"{r['cpu_s']:.1f}",
+            f"{r['speedup']:,.0f}x",
+            f"{r['replica_seconds_per_cpu_s']:,.0f}",
+        )
+        for key in ("saturated", "saturated_32")
+        for name, r in data.get(key, {}).items()
+    ]
+    header = ["workload", "replicas", "load", "requests", "span s", "CPU s", "speed-up"]
+    return md_table([*header, "replica-s per CPU s"], rows)
+
+
+def matrix_summary(data: Any) -> str:
+    rows = [
+        (
+            name,
+            f"{s['best_or_within_2pct_goodput']} / {s['cells']}",
+            f"{s['best_or_within_2pct_ttft_p99']} / {s['cells']}",
+        )
+        for name, s in data["summary"].items()
+    ]
+    return md_table(["policy", "goodput: best or within 2%", "TTFT p99: best or within 2%"], rows)
+
+
+def matrix_cells(data: Any) -> str:
+    def best(pols: Any, key: str, higher: bool, fmt: str) -> str:
+        values = {n: p[key] for n, p in pols.items()}
+        top = max(values, key=values.__getitem__) if higher else min(values, key=values.__getitem__)
+        v = values[top]
+        near = sum(1 for x in values.values() if (x >= v * 0.98 if higher else x <= v * 1.02))
+        return f"{top} {v:{fmt}}" + (f" (+{near - 1} within 2%)" if near > 1 else "")
+
+    rows = []
+    for c in data["cells"]:
+        pols = c["policies"]
+        pf, pa = pols["predicted_finish"], pols["prefix_affinity"]
+        hit = pa["hit_of_ceiling"]
+        rows.append(
+            (
+                f"{c['trace']} {c['load']} (x{c['load_multiple']:.2f}) s{c['seed']}",
+                c["replicas"],
+                best(pols, "goodput_rps", True, ".2f"),
+                f"{pf['goodput_rps']:.2f}",
+                best(pols, "ttft_p99_s", False, ".3f"),
+                f"{pf['ttft_p99_s']:.3f}",
+                f"{c['pooled_ceiling']:.0%}",
+                "-" if hit is None else f"{hit:.0%}",
+            )
+        )
+    header = ["cell", "replicas", "best goodput", "pf goodput", "best TTFT p99 s", "pf TTFT p99"]
+    return md_table([*header, "pooled ceiling", "prefix_affinity / ceiling"], rows)
+
+
 SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "roofline": ("roofline_fidelity.json", roofline),
     "exact_ceiling": ("sim_fidelity.json", exact_ceiling),
@@ -473,6 +535,9 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "router_overhead": ("router_overhead.json", router_overhead),
     "live_quality": ("live_quality.json", live_quality),
     "fairness": ("fairness.json", fairness),
+    "sim_saturated": ("sim_speed.json", saturated),
+    "matrix_summary": ("routing_matrix.json", matrix_summary),
+    "matrix_cells": ("routing_matrix.json", matrix_cells),
 }
 
 

@@ -88,10 +88,13 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--traces", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--knees", type=Path, help="reuse the knees of an earlier matrix JSON")
+    parser.add_argument("--seeds", default="", help="seeds (default 0; --full: 0,1,2)")
     args = parser.parse_args()
     span = 300.0 if args.full else 120.0
     sizes = (8, 32) if args.full else (8,)
-    seeds = (0, 1, 2) if args.full else (0,)
+    seeds: tuple[int, ...] = (0, 1, 2) if args.full else (0,)
+    if args.seeds:
+        seeds = tuple(int(x) for x in args.seeds.split(","))
     traces = [t for t in args.traces.split(",") if t]
     knees: dict[str, float] = {}
     if args.knees:
@@ -103,6 +106,7 @@ def main() -> None:
         for done in as_completed([pool.submit(knee_job, t, n, span) for t, n in todo]):
             name, n, knee = done.result()
             knees[f"{name} x{n}"] = knee
+            progress.console.log(f"knee of {name} on {n} replicas: {knee:.2f}x its base rate")
             progress.advance(task)
         cells = [
             Cell(t, load, seed, n, knees[f"{t} x{n}"] * mult)
@@ -114,7 +118,12 @@ def main() -> None:
         task = progress.add_task("replaying cells", total=len(cells))
         futures = [pool.submit(cell_job, c, span) for c in cells]
         for fut in as_completed(futures):
-            cells_out.append(fut.result())
+            cell = fut.result()
+            cells_out.append(cell)
+            progress.console.log(
+                f"{cell['trace']} {cell['load']} seed {cell['seed']} x{cell['replicas']}: "
+                f"{cell['requests']} requests, {cell['wall_s']:.0f} s"
+            )
             progress.advance(task)
     order = {(c.trace, c.load, c.seed, c.replicas): i for i, c in enumerate(cells)}
     cells_out.sort(key=lambda c: order[(c["trace"], c["load"], c["seed"], c["replicas"])])  # type: ignore[index]

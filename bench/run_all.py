@@ -12,9 +12,10 @@ from pathlib import Path
 BENCHES = (
     "roofline_fidelity.py",
     "sim_fidelity.py",
-    "sim_speed.py",
     "routing_quality.py",
     "routing_matrix.py",
+    # after routing_matrix: it reads out/bench/routing_matrix.json for the saturated loads
+    "sim_speed.py",
     "index_bench.py",
     "router_overhead.py",
     "live_quality.py",

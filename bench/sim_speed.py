@@ -8,20 +8,29 @@ fleet so each replica sees the same load) and with the trace length (the trace r
 16x back to back, content ids kept distinct). Speed-up = simulated trace span / CPU seconds of
 the replay, block ids included.
 
+Last, the loads where policies differ: every workload of the routing matrix
+(`controlplane.sim.matrix`) at its saturated load (1.5x the knee; the knees come from
+out/bench/routing_matrix.json when `bench/routing_matrix.py` ran first, else they are searched)
+on 8 replicas with `prefix_affinity`, and on 32 replicas (four superposed copies) for the
+workloads named by `--wide` (default: mooncake; `--wide all` for every one), reported as replica
+x simulated seconds per CPU second.
+
 Writes out/bench/sim_speed.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
-from common import console, print_table, write_json
+from common import console, out_dir, print_table, write_json
 
 from controlplane.roofline import profile
 from controlplane.routing.policies import POLICIES, make_policy
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
+from controlplane.sim.matrix import LOADS, WORKLOADS, find_knee, workload
 from controlplane.traces import load_trace, repeat, scale_rate
 from controlplane.traces.model import Trace
 
@@ -53,9 +62,27 @@ def run_once(
     }
 
 
+def saturated(wide: list[str]) -> tuple[dict[str, object], dict[str, object]]:
+    """Each matrix workload at its saturated load: 8 replicas, and 32 for those in `wide`."""
+    path = out_dir() / "routing_matrix.json"
+    knees: dict[str, float] = json.loads(path.read_text())["knees"] if path.is_file() else {}
+    rows8: dict[str, object] = {}
+    rows32: dict[str, object] = {}
+    for name in WORKLOADS:
+        knee = knees.get(f"{name} x8") or find_knee(name, 8)
+        for replicas in (8, 32) if name in wide else (8,):
+            trace = workload(name, 0, replicas, knee * LOADS["saturated"])
+            row = run_once(trace, replicas, 16, "prefix_affinity")
+            row["load_multiple"] = knee * LOADS["saturated"]
+            row["replica_seconds_per_cpu_s"] = replicas * trace.duration_s / row["cpu_s"]
+            (rows8 if replicas == 8 else rows32)[name] = row
+    return rows8, rows32
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="skip the 16x length run")
+    parser.add_argument("--wide", default="mooncake", help="workloads to run on 32 replicas")
     args = parser.parse_args()
     base = load_trace("mooncake")
     headline = []
@@ -99,10 +126,36 @@ def main() -> None:
             for k, r in zip(lengths, by_length, strict=True)
         ],
     )
+    wide = list(WORKLOADS) if args.wide == "all" else [w for w in args.wide.split(",") if w]
+    sat8, sat32 = saturated(wide)
+    print_table(
+        "the routing matrix's workloads at their saturated load (prefix_affinity, block 16)",
+        ["workload", "replicas", "requests", "span s", "CPU s", "speed-up", "replica-s/CPU s"],
+        [
+            (
+                name,
+                r["replicas"],
+                r["requests"],
+                r["trace_span_s"],
+                r["cpu_s"],
+                f"{r['speedup']:.0f}x",
+                f"{r['replica_seconds_per_cpu_s']:.0f}",
+            )
+            for rows in (sat8, sat32)
+            for name, r in rows.items()
+            if isinstance(r, dict)
+        ],
+    )
     console.print("speed-up = trace span / CPU seconds (one core)")
     write_json(
         "sim_speed.json",
-        {"headline": headline, "by_replicas": by_replicas, "by_length": by_length},
+        {
+            "headline": headline,
+            "by_replicas": by_replicas,
+            "by_length": by_length,
+            "saturated": sat8,
+            "saturated_32": sat32,
+        },
     )
 
 

@@ -3,9 +3,12 @@
 Requests are replayed in arrival order through a single `BlockPool` with `replicas x` the blocks of
 one replica, with vLLM's block semantics (full blocks only, at most (N - 1) // B blocks reused,
 LRU eviction, a request's blocks freed tail first) but no concurrency: each request holds its
-blocks only while it is processed. No routing policy can beat it on the same KV budget, since any
-split of the cache across replicas can only lose hits; the replay report shows each policy's hit
-rate as a fraction of it.
+blocks only while it is processed. While nothing is evicted, no routing policy can beat it on the
+same KV budget: any split of the cache across replicas can only lose hits. Under eviction it is a
+reference, not a bound: LRU is not the optimal replacement, and a fleet whose routing keeps each
+session on one replica can keep more of the sessions' blocks than one LRU of the whole fleet's
+size (the routing matrix's saturated conversations reach 101-108% of it). The replay report shows
+each policy's hit rate as a fraction of it.
 """
 
 from __future__ import annotations
