@@ -79,19 +79,19 @@ def router(request: pytest.FixtureRequest, sim_fleet: LocalFleet) -> Iterator[tu
 
 def test_completions_stream_through_the_peer_router(router: tuple[str, str]) -> None:
     router_url, _policy = router
-    client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
-    stream = client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": "Say something about prefix caches."}],
-        max_tokens=12,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    chunks = list(stream)
+    with openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Say something about prefix caches."}],
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        done = client.completions.create(model=MODEL, prompt="Hello, fleet", max_tokens=5)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     usage = [c.usage for c in chunks if c.usage is not None]
     assert text and usage and usage[-1].completion_tokens == 12
-    done = client.completions.create(model=MODEL, prompt="Hello, fleet", max_tokens=5)
     assert done.usage is not None and done.usage.completion_tokens == 5
 
 
@@ -115,9 +115,9 @@ def test_the_peer_router_routes_every_request_to_a_replica(
         return counts
 
     before = served()
-    client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0)
-    for i in range(12):
-        client.completions.create(model=MODEL, prompt=f"request {i} " * (i + 1), max_tokens=2)
+    with openai.OpenAI(base_url=f"{router_url}/v1", api_key="unused", max_retries=0) as client:
+        for i in range(12):
+            client.completions.create(model=MODEL, prompt=f"request {i} " * (i + 1), max_tokens=2)
     after = served()
     assert sum(after) - sum(before) == 12
     if policy == "round_robin":

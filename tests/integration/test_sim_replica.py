@@ -23,8 +23,11 @@ def replica() -> Iterator[SimReplica]:
 
 
 @pytest.fixture
-def client(replica: SimReplica) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0)
+def client(replica: SimReplica) -> Iterator[openai.OpenAI]:
+    # closed at teardown: a pooled connection left to the garbage collector is a ResourceWarning
+    # whenever it happens to be collected, possibly in pytest's own teardown
+    with openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0) as c:
+        yield c
 
 
 def test_completion_non_streaming(client: openai.OpenAI) -> None:
