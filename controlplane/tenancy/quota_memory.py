@@ -85,7 +85,8 @@ class MemoryQuotaStore:
             self._count(tenant_id, "expired")
         while self._done:
             rid, (when, _) = next(iter(self._done.items()))
-            if when > now - self.reservation_ttl_s:
+            # the age compared as an age: `when > now - ttl` rounds differently at the boundary
+            if now - when < self.reservation_ttl_s:
                 break
             del self._done[rid]
 

@@ -434,3 +434,19 @@ async def test_store_unreachable_hard_fails_closed_soft_admits_its_share() -> No
         text, _ = runtime.metrics.render()
         assert b'cp_quota_rejections_total{reason="store_down",tenant="h"} 1.0' in text
         assert b'reason="local_share",tenant="s"' in text
+
+
+def test_a_tombstone_lives_one_ttl_measured_as_an_age() -> None:
+    """At now = settled + ttl in floating point, `now - settled` can still be under the TTL while
+    `settled <= now - ttl` already holds: the store measures the age, as its callers do, so a
+    second settle is still a duplicate there, not an unknown id (found by the test above)."""
+    settled_at, ttl = 270.42823728344507, 7.600148557852051
+    clock = Clock(settled_at)
+    store = MemoryQuotaStore(reservation_ttl_s=ttl, clock=clock)
+    t = Tenant("t", quota_tokens=100, quota_window_s=30.0)
+    res = store.reserve_within(t, 100, 10, 5, default_cap=40)
+    assert store.settle_now(res, 12) is SettleOutcome.SETTLED
+    clock.t = settled_at + ttl
+    assert clock.t - settled_at < ttl
+    store.reserve_within(t, 100, 10, 5, default_cap=40)  # sweeps the tombstones first
+    assert store.settle_now(res, 12) is SettleOutcome.DUPLICATE
