@@ -2,9 +2,11 @@
 fleet's worth of traffic at the same span.
 
 `reshuffle_gaps(trace, seed)` keeps every request and their order and redraws *when* they
-arrive: the inter-arrival gaps are the recorded ones in a seeded random order. The rate, the
-gap distribution (so its burstiness) and every request's content stay; which requests land in
-the same burst changes. Seed 0 is the trace itself.
+arrive: the recorded inter-arrival gaps, cut into runs of `run` consecutive gaps, are played in a
+seeded random order of runs (a block bootstrap). The rate, the gap distribution, the bursts
+within a run (a burst is a run of short gaps: shuffling single gaps would spread it out) and
+every request's content stay; which requests land in a burst changes. Seed 0 is the trace
+itself.
 
 `superpose(traces)` plays several traces at once: their requests merged by arrival time, each
 part after the first with its own content ids (and session keys), so the parts share nothing
@@ -24,19 +26,25 @@ from controlplane.traces.model import Trace, TraceRequest
 from controlplane.traces.transform import derive
 
 
-def reshuffle_gaps(trace: Trace, seed: int) -> Trace:
-    """The trace with its inter-arrival gaps in a seeded random order (seed 0: unchanged)."""
+def reshuffle_gaps(trace: Trace, seed: int, *, run: int = 32) -> Trace:
+    """The trace with its runs of `run` inter-arrival gaps in a seeded random order (seed 0:
+    unchanged; see the module docstring)."""
     if seed == 0 or len(trace) < 3:
         return trace
+    if run < 1:
+        raise ConfigError(f"run must be >= 1, got {run}")
     reqs = trace.requests
-    gaps = [b.arrival_s - a.arrival_s for a, b in pairwise(reqs)]
-    random.Random(f"reshuffle:{seed}").shuffle(gaps)
+    all_gaps = [b.arrival_s - a.arrival_s for a, b in pairwise(reqs)]
+    runs = [all_gaps[i : i + run] for i in range(0, len(all_gaps), run)]
+    random.Random(f"reshuffle:{seed}").shuffle(runs)
+    gaps = [g for r in runs for g in r]
     t = reqs[0].arrival_s
     out = [reqs[0]]
     for r, gap in zip(reqs[1:], gaps, strict=True):
         t += gap
         out.append(replace(r, arrival_s=t))
-    return replace(derive(trace, out, f"reshuffle_gaps(seed={seed})"), name=f"{trace.name}-r{seed}")
+    step = f"reshuffle_gaps(seed={seed}, run={run})"
+    return replace(derive(trace, out, step), name=f"{trace.name}-r{seed}")
 
 
 def superpose(traces: Sequence[Trace], *, name: str | None = None) -> Trace:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,10 +25,10 @@ def test_reshuffled_gaps_keep_requests_order_rate_and_gap_distribution(seed: int
     assert arrivals == sorted(arrivals)
 
     def gaps(t: list[float]) -> list[float]:
-        return sorted(round(b - a, 9) for a, b in zip(t, t[1:], strict=False))
+        return sorted(round(b - a, 9) for a, b in itertools.pairwise(t))
 
     assert gaps(arrivals) == gaps([r.arrival_s for r in trace])
-    assert new.meta["transforms"][-1] == f"reshuffle_gaps(seed={seed})"  # type: ignore[index]
+    assert new.meta["transforms"][-1] == f"reshuffle_gaps(seed={seed}, run=32)"  # type: ignore[index]
 
 
 def test_seed_zero_is_the_recording_and_seeds_differ() -> None:
@@ -60,3 +62,22 @@ def test_superposed_parts_share_nothing_but_the_fleet(parts: list) -> None:  # t
     assert [len(s) for s in sets] == [len({c for r in p for c in r.content_ids}) for p in parts]
     with pytest.raises(ConfigError):
         superpose([])
+
+
+def test_bursts_survive_the_reshuffle() -> None:
+    """A burst (a run of short gaps) stays a burst: the gaps move in runs, not one by one."""
+    from controlplane.traces.model import Trace, TraceRequest
+
+    gaps = ([1.0] * 31 + [0.001] * 32 + [1.0]) * 8  # 8 bursts of 32 back-to-back requests
+    t, reqs = 0.0, [TraceRequest(arrival_s=0.0, prompt_tokens=10, output_tokens=1)]
+    for g in gaps:
+        t += g
+        reqs.append(TraceRequest(arrival_s=t, prompt_tokens=10, output_tokens=1))
+    trace = Trace("bursts", tuple(reqs))
+    for seed in (1, 2, 3):
+        new = [r.arrival_s for r in reshuffle_gaps(trace, seed, run=32).requests]
+        short = [b - a < 0.01 for a, b in itertools.pairwise(new)]
+        longest = max(len(s) for s in "".join("x" if f else " " for f in short).split())
+        assert longest >= 31
+    with pytest.raises(ConfigError):
+        reshuffle_gaps(trace, 1, run=0)
