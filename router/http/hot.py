@@ -18,9 +18,10 @@ resolution, exception middleware, pydantic models built and dumped, a Response o
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.http.lean import Endpoint, parse
+from router.http.limits import replaying
 from router.http.relay import serve_request
 from router.runtime import RouterRuntime
 
@@ -53,16 +54,7 @@ class FastLane:
         if req is not None and runtime is not None:
             await serve_request(runtime, scope, receive, send, req)
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return first
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(first, receive), send)
 
 
 __all__ = ["HOT", "FastLane"]

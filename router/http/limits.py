@@ -53,16 +53,8 @@ class BodyLimitMiddleware:
         if outcome == "too_large":
             await _refuse(send, 413, self._message(), "body_too_large")
             return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, replaying(body, receive), send)
 
     async def _read(self, receive: Receive, chunks: list[bytes]) -> str:
         size = 0
@@ -80,6 +72,21 @@ class BodyLimitMiddleware:
 
     def _message(self) -> str:
         return f"request body exceeds this router's limit of {self.max_bytes} bytes"
+
+
+def replaying(first: Message, receive: Receive) -> Receive:
+    """A `receive` that returns the already-read `first` message once, then reads on (so the
+    app sees the body, and later calls still see the client's disconnect)."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return first
+        return await receive()
+
+    return replay
 
 
 async def _refuse(send: Send, status: int, message: str, code: str = "invalid_request") -> None:
