@@ -40,13 +40,11 @@ METRICS = (  # key, title, higher is better
 
 
 def knee_job(name: str, replicas: int, span_s: float) -> tuple[str, int, float]:
-    matrix.SPAN_S = span_s
-    return name, replicas, find_knee(name, replicas)
+    return name, replicas, find_knee(name, replicas, span_s=span_s)
 
 
 def cell_job(cell: Cell, span_s: float) -> dict[str, object]:
-    matrix.SPAN_S = span_s
-    return run_cell(cell, list(POLICIES))
+    return run_cell(cell, list(POLICIES), span_s=span_s)
 
 
 def heat_maps(cells: list[dict[str, object]], folder: Path) -> None:

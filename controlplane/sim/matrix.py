@@ -50,24 +50,22 @@ PROBE = "least_loaded"
 UNLOADED = 0.125
 WITHIN = 0.02
 BASE_REPLICAS = 8
-
-
-def _mooncake(seed: int, load: float) -> Trace:
-    return scale_rate(reshuffle_gaps(load_trace("mooncake"), seed), load)
-
-
-def _azure_code(seed: int, load: float) -> Trace:
-    return scale_rate(reshuffle_gaps(load_trace("azure-code"), seed), load)
-
-
-# arrivals over this many seconds (sessions and documents are drawn for it at any load)
+# seconds of arrivals of a generated workload (the full matrix; `make bench` runs 120)
 SPAN_S = 300.0
 
 
-def _conversations(seed: int, load: float) -> Trace:
+def _mooncake(seed: int, load: float, span_s: float) -> Trace:
+    return scale_rate(reshuffle_gaps(load_trace("mooncake"), seed), load)
+
+
+def _azure_code(seed: int, load: float, span_s: float) -> Trace:
+    return scale_rate(reshuffle_gaps(load_trace("azure-code"), seed), load)
+
+
+def _conversations(seed: int, load: float, span_s: float) -> Trace:
     rate = 2.0 * load
     return multi_turn(
-        sessions=max(1, round(rate * SPAN_S)),
+        sessions=max(1, round(rate * span_s)),
         turns=4,
         system=400,
         first=800,
@@ -79,7 +77,7 @@ def _conversations(seed: int, load: float) -> Trace:
     )
 
 
-def _shared_prefix_zipf(seed: int, load: float) -> Trace:
+def _shared_prefix_zipf(seed: int, load: float, span_s: float) -> Trace:
     rate = 10.0 * load
     return shared_prefix(
         groups=40,
@@ -88,13 +86,15 @@ def _shared_prefix_zipf(seed: int, load: float) -> Trace:
         question=800,
         output=400,
         rate=rate,
-        requests=max(1, round(rate * SPAN_S)),
+        requests=max(1, round(rate * span_s)),
         zipf=1.1,
         seed=seed,
     )
 
 
-WORKLOADS: dict[str, Callable[[int, float], Trace]] = {
+# (seed, load, span_s): a generated workload draws its sessions or documents for `span_s`
+# seconds of arrivals at any load; a recorded trace is played whole
+WORKLOADS: dict[str, Callable[[int, float, float], Trace]] = {
     "mooncake": _mooncake,
     "azure-code": _azure_code,
     "conversations": _conversations,
@@ -102,11 +102,13 @@ WORKLOADS: dict[str, Callable[[int, float], Trace]] = {
 }
 
 
-def workload(name: str, seed: int, replicas: int, load: float, *, head: int = 0) -> Trace:
+def workload(
+    name: str, seed: int, replicas: int, load: float, *, span_s: float = SPAN_S, head: int = 0
+) -> Trace:
     """The workload's trace for a fleet of `replicas` (a multiple of 8) at `load` x its rate."""
     make = WORKLOADS[name]
     wide = max(1, replicas // BASE_REPLICAS)
-    parts = [make(seed + 1000 * k, load) for k in range(wide)]
+    parts = [make(seed + 1000 * k, load, span_s) for k in range(wide)]
     if head:
         parts = [p.with_requests(p.requests[:head]) for p in parts]
     return parts[0] if wide == 1 else superpose(parts, name=f"{name}-w{wide}")
@@ -117,10 +119,10 @@ def fleet(replicas: int) -> FleetConfig:
 
 
 def probe(
-    name: str, seed: int, replicas: int, load: float, *, head: int = 0
+    name: str, seed: int, replicas: int, load: float, *, span_s: float = SPAN_S, head: int = 0
 ) -> tuple[float, float]:
     """The probe policy's TTFT p99 and TPOT p99 on the workload at `load`."""
-    trace = workload(name, seed, replicas, load, head=head)
+    trace = workload(name, seed, replicas, load, span_s=span_s, head=head)
     report = replay(trace, fleet(replicas), [PROBE], pooled=False)
     s = report.summaries()[PROBE]
     return s["ttft_p99_s"], s["tpot_p99_s"]
@@ -131,6 +133,7 @@ def find_knee(
     replicas: int,
     *,
     seed: int = 0,
+    span_s: float = SPAN_S,
     head: int = 0,
     iterations: int = 5,
     on_probe: Callable[[float, float, float], None] | None = None,
@@ -138,7 +141,7 @@ def find_knee(
     """The load at which the probe policy crosses the knee's thresholds (see module)."""
 
     def measure(load: float) -> tuple[float, float]:
-        ttft, tpot = probe(name, seed, replicas, load, head=head)
+        ttft, tpot = probe(name, seed, replicas, load, span_s=span_s, head=head)
         if on_probe is not None:
             on_probe(load, ttft, tpot)
         return ttft, tpot
@@ -173,9 +176,11 @@ class Cell:
     scale: float
 
 
-def run_cell(cell: Cell, policies: Sequence[str], *, head: int = 0) -> dict[str, object]:
+def run_cell(
+    cell: Cell, policies: Sequence[str], *, span_s: float = SPAN_S, head: int = 0
+) -> dict[str, object]:
     """Replay every policy over one cell; the matrix JSON's cell record."""
-    trace = workload(cell.trace, cell.seed, cell.replicas, cell.scale, head=head)
+    trace = workload(cell.trace, cell.seed, cell.replicas, cell.scale, span_s=span_s, head=head)
     report = replay(
         trace, fleet(cell.replicas), policies, slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S
     )

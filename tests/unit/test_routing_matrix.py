@@ -62,15 +62,10 @@ def test_knee_search_brackets_the_crossing(knee: float, idle_ttft: float, tpot_b
 
 @pytest.mark.parametrize("name", sorted(matrix.WORKLOADS))
 def test_workloads_scale_with_load_and_widen_with_the_fleet(name: str) -> None:
-    matrix_span = matrix.SPAN_S
-    try:
-        matrix.SPAN_S = 20.0
-        base = workload(name, 0, 8, 1.0, head=200)
-        busier = workload(name, 0, 8, 2.0, head=200)
-        other = workload(name, 1000, 8, 1.0, head=200)  # the second copy of a 16-replica fleet
-        wide = workload(name, 0, 16, 1.0, head=200)
-    finally:
-        matrix.SPAN_S = matrix_span
+    base = workload(name, 0, 8, 1.0, span_s=20.0, head=200)
+    busier = workload(name, 0, 8, 2.0, span_s=20.0, head=200)
+    other = workload(name, 1000, 8, 1.0, span_s=20.0, head=200)  # a 16-replica fleet's 2nd copy
+    wide = workload(name, 0, 16, 1.0, span_s=20.0, head=200)
     assert busier.duration_s < base.duration_s  # the same first requests, arriving faster
     assert len(wide) == len(base) + len(other)
 
