@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from controlplane.sim.matrix import near_best
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
@@ -498,9 +500,8 @@ def matrix_cells(data: Any) -> str:
     def best(pols: Any, key: str, higher: bool, fmt: str) -> str:
         values = {n: p[key] for n, p in pols.items()}
         top = max(values, key=values.__getitem__) if higher else min(values, key=values.__getitem__)
-        v = values[top]
-        near = sum(1 for x in values.values() if (x >= v * 0.98 if higher else x <= v * 1.02))
-        return f"{top} {v:{fmt}}" + (f" (+{near - 1} within 2%)" if near > 1 else "")
+        near = len(near_best(values, higher_is_better=higher))
+        return f"{top} {values[top]:{fmt}}" + (f" (+{near - 1} within 2%)" if near > 1 else "")
 
     rows = []
     for c in data["cells"]:
