@@ -163,15 +163,22 @@ class InMemoryPrefixIndex:
         if not entries:
             return 0
         assert by_first is not None
-        live = [(exp, chain) for exp, chain in entries if exp > now]
-        if len(live) != len(entries):
+        # a chain can only beat the best so far if it agrees on the block right after it (the
+        # hashes are chained): one comparison rejects most of the chains sharing a system prompt
+        n = len(hashes)
+        spec = 0
+        expired = False
+        for exp, chain in entries:
+            if exp <= now:
+                expired = True
+            elif spec < n and spec < len(chain) and chain[spec] == hashes[spec]:
+                spec = _common_prefix(hashes, chain)
+        if expired:
+            live = [(exp, chain) for exp, chain in entries if exp > now]
             if live:
                 by_first[hashes[0]] = live
             else:
                 del by_first[hashes[0]]
-        spec = 0
-        for _exp, chain in live:
-            spec = max(spec, _common_prefix(hashes, chain))
         return spec
 
     def holdings(self, replica_id: str, hashes: Sequence[int]) -> tuple[list[bool], int]:
