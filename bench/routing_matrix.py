@@ -47,7 +47,7 @@ def cell_job(cell: Cell, span_s: float) -> dict[str, object]:
     return run_cell(cell, list(POLICIES), span_s=span_s)
 
 
-def heat_maps(cells: list[dict[str, object]], folder: Path) -> None:
+def heat_maps(cells: list[dict[str, object]], folder: Path, stem: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -77,7 +77,7 @@ def heat_maps(cells: list[dict[str, object]], folder: Path) -> None:
                     ax.text(j, i, f"{raw[i, j]:.3g}", ha="center", va="center", fontsize=6)
         ax.set_title(f"{title} (colour: relative to the cell's best; 1 = best)")
         fig.colorbar(im, ax=ax, fraction=0.03)
-        save_figure(fig, folder / f"routing_matrix_{key.removesuffix('_s')}.png")
+        save_figure(fig, folder / f"{stem}_{key.removesuffix('_s')}.png")
 
 
 def main() -> None:
@@ -87,9 +87,14 @@ def main() -> None:
     parser.add_argument("--traces", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--knees", type=Path, help="reuse the knees of an earlier matrix JSON")
     parser.add_argument("--seeds", default="", help="seeds (default 0; --full: 0,1,2)")
+    parser.add_argument("--replicas", default="", help="fleet sizes (default 8; --full: 8,32)")
+    parser.add_argument("--span", type=float, help="seconds of arrivals (default 120; --full: 300)")
+    parser.add_argument("--out", default="routing_matrix.json", help="JSON name under out/bench")
     args = parser.parse_args()
-    span = 300.0 if args.full else 120.0
-    sizes = (8, 32) if args.full else (8,)
+    span = args.span or (300.0 if args.full else 120.0)
+    sizes: tuple[int, ...] = (8, 32) if args.full else (8,)
+    if args.replicas:
+        sizes = tuple(int(x) for x in args.replicas.split(","))
     seeds: tuple[int, ...] = (0, 1, 2) if args.full else (0,)
     if args.seeds:
         seeds = tuple(int(x) for x in args.seeds.split(","))
@@ -155,9 +160,9 @@ def main() -> None:
             for n, s in summary.items()
         ],
     )
-    heat_maps(cells_out, out_dir())
+    heat_maps(cells_out, out_dir(), Path(args.out).stem)
     write_json(
-        "routing_matrix.json",
+        args.out,
         {
             "cells": cells_out,
             "summary": summary,
