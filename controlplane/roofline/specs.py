@@ -11,6 +11,11 @@ Parameter counts are derived from the shapes, never typed in:
               + MLP (3 * d * I, SwiGLU) + 2 norms (d) [+ q/k norms (hd each) for Qwen3]
     total     = L * per layer + input embedding (V * d)
               + lm_head (V * d, unless tied) + final norm (d)
+
+MoE layers replace the MLP with E experts of width I_e, a shared expert of width I_s and a
+router (d * E); a token uses k of the E (active parameters, FLOPs). MLA (DeepSeek) replaces
+q, k, v with low-rank projections and caches (kv_lora_rank + qk_rope_head_dim) per layer.
+`controlplane.roofline.hf_config` builds a spec from a Hugging Face config.json.
 """
 
 from __future__ import annotations
@@ -139,8 +144,37 @@ GPUS: dict[str, GpuSpec] = {
 
 
 @dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """Routed experts in place of the dense MLP (Mixtral, Qwen-MoE, DeepSeek-V2/V3)."""
+
+    experts: int  # routed experts per MoE layer
+    experts_per_token: int  # top-k: routed experts each token goes through
+    expert_intermediate: int  # SwiGLU width of one routed expert
+    shared_intermediate: int = 0  # SwiGLU width of the always-on shared expert(s), summed
+    dense_layers: int = 0  # layers that keep the dense MLP (`ModelSpec.intermediate` wide)
+
+
+@dataclass(frozen=True, slots=True)
+class MlaSpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): the KV cache holds one compressed latent
+    (`kv_lora_rank`) plus the shared rotary key (`qk_rope_head_dim`) per token and layer."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: a full-rank q projection (DeepSeek-V2-Lite)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A decoder-only transformer with grouped-query attention and a SwiGLU MLP."""
+    """A decoder-only transformer: grouped-query (or latent) attention, SwiGLU MLP or experts.
+
+    `dtype_bytes` is the activation dtype (embeddings, norms, routers, all-reduces); the
+    attention and MLP projections are stored at `weight_dtype_bytes` (1 for FP8 checkpoints)
+    and the KV cache at `kv_dtype_bytes` (1 with `--kv-cache-dtype fp8`); 0 means `dtype_bytes`.
+    MLA models have one KV "head" (the latent), which vLLM replicates on every TP rank.
+    """
 
     name: str
     layers: int
@@ -154,6 +188,10 @@ class ModelSpec:
     tied_embeddings: bool = False
     qk_norm: bool = False
     dtype_bytes: int = 2
+    weight_dtype_bytes: int = 0
+    kv_dtype_bytes: int = 0
+    moe: MoeSpec | None = None
+    mla: MlaSpec | None = None
 
     @property
     def attn_width(self) -> int:
@@ -161,12 +199,60 @@ class ModelSpec:
         return self.heads * self.head_dim
 
     @property
-    def params_per_layer(self) -> int:
-        d, hd = self.hidden, self.head_dim
-        attn = d * self.attn_width * 2 + d * self.kv_heads * hd * 2
-        mlp = 3 * d * self.intermediate
-        norms = 2 * d + (2 * hd if self.qk_norm else 0)
-        return attn + mlp + norms
+    def linear_dtype_bytes(self) -> int:
+        return self.weight_dtype_bytes or self.dtype_bytes
+
+    @property
+    def kv_cache_dtype_bytes(self) -> int:
+        return self.kv_dtype_bytes or self.dtype_bytes
+
+    @property
+    def attn_params_per_layer(self) -> int:
+        d, h, mla = self.hidden, self.heads, self.mla
+        if mla is None:
+            return d * self.attn_width * 2 + d * self.kv_heads * self.head_dim * 2
+        qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        rank = mla.q_lora_rank
+        q = d * rank + rank * h * qk if rank else d * h * qk
+        kv = d * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+        kv += mla.kv_lora_rank * h * (mla.qk_nope_head_dim + mla.v_head_dim)
+        return q + kv + h * mla.v_head_dim * d
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        extra = 2 * self.head_dim if self.qk_norm else 0
+        if self.mla is not None:  # the q and kv latent norms
+            extra = self.mla.q_lora_rank + self.mla.kv_lora_rank
+        return 2 * self.hidden + extra
+
+    @property
+    def moe_layers(self) -> int:
+        return 0 if self.moe is None else self.layers - self.moe.dense_layers
+
+    def _body_params(self, *, active: bool, linear_only: bool) -> int:
+        """Transformer-layer parameters: every expert, or a token's top-k (`active`); with
+        `linear_only`, only the projections (what `weight_dtype_bytes` applies to)."""
+        d, moe = self.hidden, self.moe
+        total = self.layers * self.attn_params_per_layer
+        total += (self.layers - self.moe_layers) * 3 * d * self.intermediate
+        if moe is not None:
+            routed = moe.experts_per_token if active else moe.experts
+            width = routed * moe.expert_intermediate + moe.shared_intermediate
+            total += self.moe_layers * 3 * d * width
+        if not linear_only:  # norms and routers
+            routers = self.moe_layers * d * moe.experts if moe is not None else 0
+            total += self.layers * self.norm_params_per_layer + routers
+        return total
+
+    @property
+    def body_params(self) -> int:
+        """Transformer layers (every expert), without embeddings, lm_head and the final norm."""
+        return self._body_params(active=False, linear_only=False)
+
+    @property
+    def active_body_params(self) -> int:
+        """The body one token goes through: the top-k routed experts of each MoE layer."""
+        return self._body_params(active=True, linear_only=False)
 
     @property
     def embedding_params(self) -> int:
@@ -178,27 +264,30 @@ class ModelSpec:
 
     @property
     def params(self) -> int:
-        return (
-            self.layers * self.params_per_layer
-            + self.embedding_params
-            + self.lm_head_params
-            + self.hidden
-        )
+        return self.body_params + self.embedding_params + self.lm_head_params + self.hidden
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token uses, embeddings included (equals `params` for a dense model)."""
+        return self.active_body_params + self.embedding_params + self.lm_head_params + self.hidden
 
     @property
     def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
+        """Projections at `linear_dtype_bytes`; embeddings, lm_head, norms, routers: dtype_bytes."""
+        linear = self._body_params(active=False, linear_only=True)
+        return linear * self.linear_dtype_bytes + (self.params - linear) * self.dtype_bytes
 
     @property
     def weight_bytes_read_per_step(self) -> int:
-        """Every weight is read once per step except the input embedding (a gather)."""
-        read = self.params - (0 if self.tied_embeddings else self.embedding_params)
-        return read * self.dtype_bytes
+        """Every weight is read once per step except the input embedding (a gather); for MoE,
+        every expert (one sits out a batch of B tokens with probability (1 - k/E)^B)."""
+        embedding = 0 if self.tied_embeddings else self.embedding_params
+        return self.weight_bytes - embedding * self.dtype_bytes
 
     @property
     def body_flops_per_token(self) -> int:
         """Linear-layer FLOPs per token through the transformer body (no lm_head)."""
-        return 2 * self.layers * self.params_per_layer
+        return 2 * self.active_body_params
 
     @property
     def lm_head_flops_per_sample(self) -> int:
@@ -207,12 +296,23 @@ class ModelSpec:
 
     @property
     def attn_flops_per_pair(self) -> int:
-        """Attention FLOPs per (query token, context token) pair: QK and AV, all layers."""
-        return 4 * self.layers * self.attn_width
+        """Attention FLOPs per (query token, context token) pair: QK and AV, all layers.
+
+        MLA counts the expanded heads (qk_nope + qk_rope for QK, v_head_dim for AV), as vLLM
+        runs prefill; its absorbed decode kernel does more per pair, but decode is memory-bound.
+        """
+        if self.mla is None:
+            return 4 * self.layers * self.attn_width
+        qk = self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+        return 2 * self.layers * self.heads * (qk + self.mla.v_head_dim)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        if self.mla is not None:
+            per_layer = self.mla.kv_lora_rank + self.mla.qk_rope_head_dim
+        else:
+            per_layer = 2 * self.kv_heads * self.head_dim
+        return self.layers * per_layer * self.kv_cache_dtype_bytes
 
 
 MODELS: dict[str, ModelSpec] = {
