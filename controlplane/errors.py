@@ -13,6 +13,8 @@
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
     │   ├── QuotaExceededError 429: no room in the tenant's token quota (Retry-After)
+    │   ├── ReplicaRefusedError 400: a replica URL or id the router will not use (also a
+    │   │                      ConfigError: a configured replica refused at startup)
     │   └── NotFoundError      404: an unknown resource (replica, route)
     │       └── UnknownReplicaError  a replica id the fleet does not know
     ├── CapacityError          nothing can serve the request now (maps to 503)
@@ -121,6 +123,18 @@ class QuotaExceededError(RequestError):
 
     def response_headers(self) -> dict[str, str]:
         return dict(self.headers)
+
+
+class ReplicaRefusedError(RequestError, ConfigError):
+    """A replica URL or id the router will not use (`router/fleet/urls.py`): 400 from
+    POST /admin/replicas, a configuration error when the replica is configured statically.
+    `param` names the refused field ("url" or "id")."""
+
+    openai_code = "invalid_replica"
+
+    def __init__(self, message: str, *, param: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class NotFoundError(RequestError):

@@ -13,30 +13,41 @@ conversation always sees one arm).
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, IPvAnyNetwork, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     YamlConfigSettingsSource,
 )
 
-from controlplane.errors import ConfigError
+from controlplane.errors import ConfigError, ReplicaRefusedError
 from controlplane.routing.config import PolicyConfig, Section
 from controlplane.tenancy.config import FairnessConfig
+from router.fleet.urls import DEFAULT_ALLOWED_NETWORKS, ReplicaGuard, Resolver, check_replica_id
 
 CONFIG_FILE_ENV = "CP_CONFIG_FILE"
 
 
 class ReplicaConfig(Section):
-    id: str = Field(description="Stable replica id (metric label, index key part).")
-    url: str = Field(description="Base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000.")
+    id: str = Field(
+        description="Stable replica id (metric label, index key part): 1 to 63 characters of "
+        "A-Z a-z 0-9 . _ -, starting with a letter or a digit."
+    )
+    url: str = Field(
+        description="Base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000: http or "
+        "https, no user info, query or fragment, its address inside replica_allowed_networks "
+        "(checked when the replica joins: at startup, or POST /admin/replicas)."
+    )
     gpu: str = Field(default="h100", description="GPU key of the roofline profile (cost model).")
     model: str = Field(default="llama-3.1-8b", description="Model key of the roofline profile.")
     tp: int = Field(default=1, ge=1, description="Tensor parallel degree of the replica.")
@@ -61,6 +72,11 @@ class ReplicaConfig(Section):
         default=None, description="ZMQ endpoint of the replica's KV-event replay socket."
     )
     kv_topic: str = Field(default="", description="KV-event topic ('' = every topic).")
+
+    @field_validator("id")
+    @classmethod
+    def _label_safe(cls, v: str) -> str:
+        return check_replica_id(v)
 
 
 class RedisConfig(Section):
@@ -349,6 +365,14 @@ class RouterSettings(BaseSettings):
     replicas: list[ReplicaConfig] = Field(
         default_factory=list, description="The fleet (more can be added through /admin)."
     )
+    replica_allowed_networks: Annotated[list[IPvAnyNetwork], NoDecode] = Field(
+        default_factory=lambda: [ipaddress.ip_network(n) for n in DEFAULT_ALLOWED_NETWORKS],
+        description="Networks (CIDRs) every replica address must lie in, a literal IP or each "
+        "address its host name resolves to (configured replicas at startup, POST "
+        "/admin/replicas). Link-local and cloud metadata addresses are refused unless a network "
+        "listed lies within them (169.254.169.254/32 itself); 0.0.0.0 and the router's Redis "
+        "host:port always are. CP_REPLICA_ALLOWED_NETWORKS: comma-separated or a JSON list.",
+    )
     tenants: list[TenantConfig] = Field(
         default_factory=list,
         description="Tenants and their API keys; none (and require_api_keys off): open mode, "
@@ -393,6 +417,18 @@ class RouterSettings(BaseSettings):
             raise ValueError("telemetry.metrics_port must differ from the router's port")
         return self
 
+    @field_validator("replica_allowed_networks", mode="before")
+    @classmethod
+    def _networks_from_env(cls, v: Any) -> Any:
+        if isinstance(v, str):  # the environment: "10.0.0.0/8,fc00::/7" or a JSON list
+            text = v.strip()
+            return (
+                json.loads(text)
+                if text.startswith("[")
+                else [n.strip() for n in text.split(",") if n.strip()]
+            )
+        return v
+
     @field_validator("replicas")
     @classmethod
     def _unique_ids(cls, v: list[ReplicaConfig]) -> list[ReplicaConfig]:
@@ -411,6 +447,25 @@ class RouterSettings(BaseSettings):
         if len(digests) != len(set(digests)):
             raise ValueError("an API key digest is listed under two tenants")
         return v
+
+    def replica_guard(self, resolve: Resolver | None = None) -> ReplicaGuard:
+        """The check every replica passes before the router probes it (`router/fleet/urls.py`):
+        these allowed networks, and this router's Redis refused."""
+        return ReplicaGuard.of(
+            self.replica_allowed_networks, redis_url=self.redis.url, resolve=resolve
+        )
+
+    def check_replicas(self, resolve: Resolver | None = None) -> ReplicaGuard:
+        """The guard, once every configured replica passed it; a refused one raises
+        `ReplicaRefusedError` (a `ConfigError`) naming it."""
+        guard = self.replica_guard(resolve)
+        for r in self.replicas:
+            try:
+                guard.check(r.id, r.url)
+            except ReplicaRefusedError as exc:
+                msg = f"configured replica {r.id!r}: {exc}"
+                raise ReplicaRefusedError(msg, param=exc.param) from None
+        return guard
 
     @classmethod
     def settings_customise_sources(

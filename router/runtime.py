@@ -1,5 +1,7 @@
 """Everything one router process runs, built from `RouterSettings` and closed in reverse order.
 
+guard    ReplicaGuard: every replica's id and URL are checked before the fleet knows it
+         (configured ones here, at startup; added ones in `add_replica`): router/fleet/urls.py
 fleet    LiveFleet: probes, scrapes, passive ejection, admin changes
 index    in-memory, or the shared Redis index
 events   EventIndexer over the replicas that publish KV events (when `redis.ingest_events`
@@ -16,6 +18,7 @@ hooks    what a request's scope (router/scope.py) closes when it ends: quota, fa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -37,6 +40,7 @@ from router.fairness.shared import fair_queue_for
 from router.fairness.tenants import QuotaHooks, key_ring, quota_store_for, salt_policy
 from router.fleet.index import RouterIndex, open_index
 from router.fleet.live_fleet import LiveFleet
+from router.fleet.urls import Resolver
 from router.http.proxy import Proxy
 from router.scope import RequestScope, ScopeHooks
 from router.telemetry import RouterMetrics, decision_header_value
@@ -56,8 +60,13 @@ class RouterRuntime:
         metrics: RouterMetrics | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         tracer_provider: TracerProvider | None = None,
+        resolve: Resolver | None = None,
     ) -> None:
+        """`resolve`: host name -> addresses for the replica guard (default: getaddrinfo;
+        tests whose `transport` serves made-up names pass their own)."""
         self.settings = settings
+        # before anything probes a replica: a refused configured replica fails the startup
+        self.replica_guard = settings.check_replicas(resolve)
         self.metrics = metrics or RouterMetrics()
         # the process's global provider unless one is given (tests)
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(TRACER_NAME)
@@ -140,7 +149,10 @@ class RouterRuntime:
         for r in self.settings.replicas:
             self._follow(r)
 
-    def add_replica(self, cfg: ReplicaConfig) -> None:
+    async def add_replica(self, cfg: ReplicaConfig) -> None:
+        """Check `cfg` (`ReplicaRefusedError` refuses it: nothing added, nothing probed), then
+        add it; the check may resolve a host name, off the event loop."""
+        await asyncio.to_thread(self.replica_guard.check, cfg.id, cfg.url)
         self.fleet.add(cfg)
         self._follow(cfg)
 

@@ -40,6 +40,9 @@ def _run_router(settings: object, workers: int = 1) -> None:
     from router.http.workers import run_workers
 
     assert isinstance(settings, RouterSettings)
+    # a configured replica the guard refuses (router/fleet/urls.py) fails here, before anything
+    # binds or starts: one error line, exit code 2 (each runtime checks again as it starts)
+    settings.check_replicas()
     if workers == 1:
         _serve_router(settings)
         return

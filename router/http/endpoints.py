@@ -7,6 +7,8 @@ schema).
 Admin (Authorization: Bearer <admin key>; 404 while no admin key is configured):
 
     GET    /admin/replicas, POST /admin/replicas, POST .../{id}/drain, DELETE .../{id}
+                                        (a new replica's URL and id must pass the replica guard,
+                                        router/fleet/urls.py: 400 `invalid_replica` otherwise)
     GET    /admin/tenants               every tenant: id, weight, class, limits, number of keys
     POST   /admin/tenants               add or replace one (a `TenantConfig`: keys as SHA-256
                                         digests; the old digests of a replaced tenant stop working)
@@ -26,7 +28,13 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
-from controlplane.errors import AuthError, ConfigError, NotFoundError, RequestError
+from controlplane.errors import (
+    AuthError,
+    ConfigError,
+    NotFoundError,
+    ReplicaRefusedError,
+    RequestError,
+)
 from router.config import ReplicaConfig, RouterSettings, TenantConfig
 from router.fairness.tenants import tenant_of, tenant_view
 from router.http.lean import OpenAIRequest, from_model
@@ -127,18 +135,23 @@ def _admin(request: Request) -> RouterRuntime:
     return _rt(request)
 
 
+# the admin check as a dependency runs before the body is validated: no schema hints without a key
+_ADMIN = [Depends(_admin)]
+
+
 @admin_routes.get("/replicas")
 async def list_replicas(request: Request) -> dict[str, Any]:
     rt = _admin(request)
     return {"replicas": rt.fleet.status(), "at": time.time()}
 
 
-@admin_routes.post("/replicas", status_code=201)
+@admin_routes.post("/replicas", status_code=201, dependencies=_ADMIN)
 async def add_replica(request: Request, replica: ReplicaConfig) -> dict[str, Any]:
-    rt = _admin(request)
     try:
-        rt.add_replica(replica)
-    except ConfigError as exc:
+        await _rt(request).add_replica(replica)
+    except ReplicaRefusedError:
+        raise  # a 400 of its own (param and code: which field was refused)
+    except ConfigError as exc:  # e.g. the id is taken
         raise RequestError(str(exc)) from None
     return {"added": replica.id}
 
@@ -157,10 +170,6 @@ async def remove_replica(request: Request, replica_id: str) -> dict[str, Any]:
     rt.fleet.get(replica_id)
     await rt.remove_replica(replica_id)
     return {"removed": replica_id}
-
-
-# the admin check as a dependency runs before the body is validated: no schema hints without a key
-_ADMIN = [Depends(_admin)]
 
 
 @admin_routes.get("/tenants", dependencies=_ADMIN)

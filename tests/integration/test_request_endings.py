@@ -155,7 +155,9 @@ def serve(redis_down: bool) -> Iterator[Stack]:
     if redis_down:  # a port nobody listens on: index, quota and fair queue all lose Redis
         overrides["redis"] = {"url": "redis://127.0.0.1:9", "lookup_budget_ms": 50}
     cfg = load_settings(**overrides)
-    runtime = RouterRuntime(cfg, transport=httpx.MockTransport(reps.handle))
+    # the made-up replica names resolve to a private address for the replica guard
+    transport = httpx.MockTransport(reps.handle)
+    runtime = RouterRuntime(cfg, transport=transport, resolve=lambda _host: ["10.0.0.1"])
     app = create_app(cfg, runtime=runtime)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, lifespan="on")

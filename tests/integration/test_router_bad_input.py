@@ -441,7 +441,9 @@ def in_process(model_dir: Path) -> Iterator[InProcess]:
         served_model=MODEL,
         limits=LIMITS,
     )
-    runtime = RouterRuntime(settings, transport=httpx.MockTransport(fake.handle))
+    # the made-up replica name resolves to a private address for the replica guard
+    transport = httpx.MockTransport(fake.handle)
+    runtime = RouterRuntime(settings, transport=transport, resolve=lambda _host: ["10.0.0.1"])
     app: Any = create_app(settings, runtime=runtime)
     try:
         # loading the schema starts the app's lifespan in schemathesis' event-loop thread

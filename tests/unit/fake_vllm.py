@@ -3,7 +3,7 @@
 SSE with a final usage chunk), for fast router tests that need no subprocess.
 
     fakes = FakeVllmFleet(["a", "b"])
-    runtime = RouterRuntime(settings, transport=fakes.transport)
+    runtime = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
     fakes.calls            # every generation request received: (replica, path, headers, body)
 """
 
@@ -53,6 +53,12 @@ class FakeVllmFleet:
 
     def url(self, replica: str) -> str:
         return f"http://{replica}.fake:8000"
+
+    def resolve(self, host: str) -> list[str]:
+        """The replica guard's resolver (router/fleet/urls.py): the made-up names are private."""
+        if host.endswith(".fake"):
+            return ["10.0.0.1"]
+        raise OSError(f"no fake replica at {host!r}")
 
     def replica_configs(self) -> list[dict[str, Any]]:
         return [

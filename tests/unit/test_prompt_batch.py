@@ -49,7 +49,7 @@ async def svc(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Svc]:
         tenants=TENANTS,
         telemetry={"json_logs": False},
     )
-    rt = RouterRuntime(settings, transport=fakes.transport)
+    rt = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
     svc = Svc(httpx.AsyncClient(), fakes, rt)
     tokenize, reserve, acquire = rt.tokenizer.tokenize, rt.quotas.reserve, rt.fairq.acquire
 
@@ -126,7 +126,7 @@ async def test_the_prompt_cap_counts_prompts_not_tokens(
         limits={"max_prompts_per_request": 4},
         telemetry={"json_logs": False},
     )
-    rt = RouterRuntime(settings, transport=fakes.transport)
+    rt = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
     app = create_app(settings, runtime=rt)
     async with (
         app.router.lifespan_context(app),

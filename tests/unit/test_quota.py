@@ -309,7 +309,7 @@ async def svc() -> AsyncIterator[Svc]:
         tenants=[tenant],
         quota={"default_max_tokens": 40},
     )
-    runtime = RouterRuntime(s, transport=fakes.transport)
+    runtime = RouterRuntime(s, transport=fakes.transport, resolve=fakes.resolve)
     app = create_app(s, runtime=runtime)
     async with (
         app.router.lifespan_context(app),
@@ -401,7 +401,7 @@ async def test_store_unreachable_hard_fails_closed_soft_admits_its_share() -> No
         # a share of 100 tokens: the approx bound without template allowance fits a few requests
         quota={"expected_routers": 4, "timeout_ms": 200, "approx_template_tokens": 0},
     )
-    runtime = RouterRuntime(s, transport=fakes.transport)
+    runtime = RouterRuntime(s, transport=fakes.transport, resolve=fakes.resolve)
     app = create_app(s, runtime=runtime)
     async with (
         app.router.lifespan_context(app),

@@ -45,7 +45,9 @@ async def _service(**overrides: Any) -> AsyncIterator[Service]:
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    runtime = RouterRuntime(settings, transport=fakes.transport, tracer_provider=provider)
+    runtime = RouterRuntime(
+        settings, transport=fakes.transport, resolve=fakes.resolve, tracer_provider=provider
+    )
     app = create_app(settings, runtime=runtime)
     async with (
         app.router.lifespan_context(app),
@@ -169,7 +171,7 @@ async def test_request_id_is_echoed_forwarded_or_made(svc: Service) -> None:
 async def test_decision_header_is_off_by_default() -> None:
     fakes = FakeVllmFleet(["a"])
     settings = load_settings(replicas=fakes.replica_configs(), tokenizer="approx")
-    runtime = RouterRuntime(settings, transport=fakes.transport)
+    runtime = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
     app = create_app(settings, runtime=runtime)
     async with (
         app.router.lifespan_context(app),

@@ -55,7 +55,7 @@ async def _svc(monkeypatch: pytest.MonkeyPatch, **overrides: Any) -> AsyncIterat
         telemetry={"json_logs": False},
         **options,
     )
-    rt = RouterRuntime(settings, transport=fakes.transport)
+    rt = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
     svc = Svc(httpx.AsyncClient(), fakes, rt)
     build, acquire, reserve = rt.core.build, rt.fairq.acquire, rt.quotas.reserve
 
