@@ -540,8 +540,6 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "matrix_summary": ("routing_matrix.json", matrix_summary),
     "matrix_cells": ("routing_matrix.json", matrix_cells),
     "matrix_heldout_summary": ("routing_matrix_heldout.json", matrix_summary),
-    "matrix_x32_summary": ("routing_matrix_x32.json", matrix_summary),
-    "matrix_x32_cells": ("routing_matrix_x32.json", matrix_cells),
 }
 
 

@@ -43,7 +43,8 @@ costs no one anything; near it, every step counts. Weighting the decode time by 
 replica's TPOT is to the target keeps decode balance where it decides goodput (near the target
 the full term counts) and lets cache and queue decide below it. Across the routing matrix
 (docs/benchmarks.md section 12) this took the cells where the policy is best or within 2% on
-TTFT p99 from 25 to 29 of 36, with the same goodput cells.
+TTFT p99 from 25 to 29 of 36 (seeds 0-2, which it was tuned on), with the same goodput cells;
+on seeds 3-4, drawn after, it is 17 of 24 on TTFT p99 and 22 of 24 on goodput.
 
 Parameters: `ttft_weight` (default 1.0), `congestion_weight` (default 1.0; 0 = purely greedy),
 `decode_weight` (default 0.25), `tpot_target_s` (default 0.1, the TPOT SLO; set it to the SLO
