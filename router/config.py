@@ -98,6 +98,63 @@ class RedisConfig(Section):
     )
 
 
+class FleetConfig(Section):
+    shared: bool = Field(
+        default=False,
+        description="Keep the fleet registry in Redis (redis.url) so every router sharing it "
+        "follows one fleet; off: the registry is this process's own.",
+    )
+    key_prefix: str = Field(default="cp:fleet", description="Redis key prefix of the registry.")
+    router_id: str | None = Field(
+        default=None,
+        description="This router's id in the registry's observations; None: host name and pid.",
+    )
+    resync_s: float = Field(
+        default=2.0,
+        gt=0,
+        description="Re-read the registry (and re-report the static replicas) at least this "
+        "often, whether or not a change notification arrived.",
+    )
+    heartbeat_ttl_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="A router's published observations (in-flight counts) count this long; a "
+        "dead router stops blocking drains after it. Must exceed resync_s.",
+    )
+    drain_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A draining replica leaves after this long even with requests in flight.",
+    )
+    delete_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="DELETE /admin/replicas/{id} waits this long for the drain to finish "
+        "(200 when gone, else 202 while it still drains).",
+    )
+    dns_name: str | None = Field(
+        default=None,
+        description="A headless service name whose A/AAAA records are replicas; None: no DNS.",
+    )
+    dns_port: int = Field(default=8000, ge=1, le=65535, description="Port of DNS replicas.")
+    dns_scheme: Literal["http", "https"] = Field(
+        default="http", description="Scheme of DNS replicas' URLs."
+    )
+    dns_interval_s: float = Field(default=10.0, gt=0, description="DNS poll interval.")
+    dns_model: str | None = Field(
+        default=None, description="Model key (roofline) of DNS replicas; None: the default."
+    )
+    dns_gpu: str | None = Field(
+        default=None, description="GPU key (roofline) of DNS replicas; None: the default."
+    )
+
+    @model_validator(mode="after")
+    def _ttl_covers_resync(self) -> FleetConfig:
+        if self.heartbeat_ttl_s <= self.resync_s:
+            raise ValueError("fleet.heartbeat_ttl_s must exceed fleet.resync_s")
+        return self
+
+
 class LimitsConfig(Section):
     max_body_bytes: int = Field(
         default=4 * 1024 * 1024, ge=1024, description="Largest request body (413 beyond)."
@@ -392,6 +449,10 @@ class RouterSettings(BaseSettings):
     )
     policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Routing policy.")
     redis: RedisConfig = Field(default_factory=RedisConfig, description="Shared prefix index.")
+    fleet: FleetConfig = Field(
+        default_factory=FleetConfig,
+        description="The fleet registry (shared in Redis or per process) and its sources.",
+    )
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="Request limits.")
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig, description="Timeouts.")
     health: HealthConfig = Field(default_factory=HealthConfig, description="Fleet health.")
@@ -436,6 +497,12 @@ class RouterSettings(BaseSettings):
         if len(ids) != len(set(ids)):
             raise ValueError(f"replica ids must be unique: {ids}")
         return v
+
+    @model_validator(mode="after")
+    def _shared_fleet_needs_redis(self) -> RouterSettings:
+        if self.fleet.shared and not self.redis.url:
+            raise ValueError("fleet.shared needs redis.url")
+        return self
 
     @field_validator("tenants")
     @classmethod

@@ -1,8 +1,12 @@
 """Everything one router process runs, built from `RouterSettings` and closed in reverse order.
 
 guard    ReplicaGuard: every replica's id and URL are checked before the fleet knows it
-         (configured ones here, at startup; added ones in `add_replica`): router/fleet/urls.py
-fleet    LiveFleet: probes, scrapes, passive ejection, admin changes
+         (configured ones here, at startup; every source's in the registry): router/fleet/urls.py
+fleet    LiveFleet: probes, scrapes, passive ejection
+registry FleetRegistry: membership and lifecycle, per process or shared in Redis
+         (router/fleet/registry.py); sources report to it (static, DNS, admin: sources.py) and
+         the follower makes `fleet` match it (router/fleet/follower.py, through the FleetOps
+         methods below: members, join, drain, resume, leave, seen)
 index    in-memory, or the shared Redis index
 events   EventIndexer over the replicas that publish KV events (when `redis.ingest_events`
          or no Redis: a process-local index has no other source)
@@ -18,7 +22,6 @@ hooks    what a request's scope (router/scope.py) closes when it ends: quota, fa
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -38,8 +41,19 @@ from router.core import RouterCore
 from router.fairness.queue import FairQueue
 from router.fairness.shared import fair_queue_for
 from router.fairness.tenants import QuotaHooks, key_ring, quota_store_for, salt_policy
+from router.fleet.follower import RegistryFollower
 from router.fleet.index import RouterIndex, open_index
+from router.fleet.lifecycle import ADMIN_SOURCE, Seen
 from router.fleet.live_fleet import LiveFleet
+from router.fleet.registry import RegistryMetrics
+from router.fleet.sources import (
+    Source,
+    member_of,
+    membership_sources,
+    open_registry,
+    router_id,
+    static_source,
+)
 from router.fleet.urls import Resolver
 from router.http.proxy import Proxy
 from router.scope import RequestScope, ScopeHooks
@@ -74,6 +88,17 @@ class RouterRuntime:
         self.books = RoutingBooks(settings.policy)
         self.ledger = self.books.ledger
         self.fleet = LiveFleet(settings, ledger=self.ledger, transport=transport)
+        self.registry = open_registry(
+            settings, self.replica_guard, RegistryMetrics(self.metrics.registry)
+        )
+        self.follower = RegistryFollower(
+            self.registry,
+            self,
+            router_id=router_id(settings),
+            resync_s=settings.fleet.resync_s,
+        )
+        self.static = static_source(settings, self.registry)
+        self.sources: list[Source] = membership_sources(settings, self.registry)[1:]
         self.index: RouterIndex = open_index(settings.redis)
         self.tokenizer = router_tokenizer(settings.tokenizer, self.fleet, settings.served_model)
         # API key -> tenant (config file, then /admin/tenants)
@@ -144,19 +169,58 @@ class RouterRuntime:
     async def start(self) -> None:
         await self.quotas.start()
         await self.fairq.start()
+        # the configured replicas first, then this router's fleet as the registry holds it
+        # (a restarted router reads back what other sources and routers put there)
+        await self.static.report_once()
+        await self.follower.sync()
+        self.static.start()
+        for s in self.sources:
+            s.start()
+        self.follower.start()
         await self.fleet.start()
         await self.fleet.refresh()
         for r in self.settings.replicas:
-            self._follow(r)
+            if r.id in self.members():
+                self._follow(r)
 
+    # -- admin: through the registry, so every router sharing it follows --------------------------
     async def add_replica(self, cfg: ReplicaConfig) -> None:
-        """Check `cfg` (`ReplicaRefusedError` refuses it: nothing added, nothing probed), then
-        add it; the check may resolve a host name, off the event loop."""
-        await asyncio.to_thread(self.replica_guard.check, cfg.id, cfg.url)
+        """Add `cfg` as the admin source (`ReplicaRefusedError` when the guard refuses it or
+        the id is in the fleet at another URL), then follow the registry at once."""
+        await self.registry.add(ADMIN_SOURCE, member_of(cfg))
+        await self.follower.sync()
+
+    async def drain_replica(self, replica_id: str) -> None:
+        """Drain fleet-wide (`UnknownReplicaError` for an id the registry lacks)."""
+        await self.registry.drain([replica_id])
+        await self.follower.sync()
+
+    async def retire_replica(self, replica_id: str, wait_s: float) -> bool:
+        """Drain it and wait up to `wait_s` for it to leave every router; whether it left."""
+        await self.registry.withdraw(ADMIN_SOURCE, replica_id)
+        await self.drain_replica(replica_id)
+        left = await self.registry.wait_drained([replica_id], wait_s)
+        await self.follower.sync()
+        return not left
+
+    # -- FleetOps: what the registry follower changes ----------------------------------------------
+    def members(self) -> dict[str, tuple[str, bool]]:
+        return {r.replica_id: (r.url, r.draining) for r in self.fleet.replicas()}
+
+    async def join(self, cfg: ReplicaConfig) -> None:
         self.fleet.add(cfg)
         self._follow(cfg)
 
-    async def remove_replica(self, replica_id: str) -> None:
+    def drain(self, replica_id: str) -> None:
+        self.fleet.drain(replica_id)
+
+    def resume(self, replica_id: str) -> None:
+        self.fleet.resume(replica_id)
+
+    def seen(self) -> dict[str, Seen]:
+        return self.fleet.seen()
+
+    async def leave(self, replica_id: str) -> None:
         await self.fleet.remove(replica_id)
         follower = self.events.pop(replica_id, None)
         if follower is not None:
@@ -168,6 +232,8 @@ class RouterRuntime:
         reasons = []
         if self.fleet.ready_count() == 0:
             reasons.append("no ready replica")
+        if self.follower.degraded_reason:
+            reasons.append(self.follower.degraded_reason)
         idx = self.index.degraded_reason
         if idx:
             reasons.append(idx)
@@ -212,6 +278,10 @@ class RouterRuntime:
                 m.sync_kv_events(row.replica_id, row.batches, row.lost)
 
     async def aclose(self) -> None:
+        for s in (self.static, *self.sources):
+            await s.aclose()
+        await self.follower.aclose()
+        await self.registry.aclose()
         await self.fairq.aclose()
         await self.quotas.aclose()  # settles in flight reach the store first
         for follower in self.events.values():

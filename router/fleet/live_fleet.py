@@ -14,12 +14,15 @@ replica's `GET /health` every `health.probe_interval_s` and `GET /metrics` every
 replica delays nobody; a replica never has two probes (or two scrapes) in flight. An ejected
 replica is probed as soon as its ejection expires.
 
+Membership (add, drain, resume, remove) is driven by the fleet registry through
+`router.fleet.follower`: this class holds one router's replicas, the registry decides which.
+
 Lifecycle (`LiveReplica.phase`, computed):
 
     LOADING  --good probe and good scrape (block size agrees with the fleet)-->  READY
     READY    --consecutive_failures failed probes-->  DEAD
     DEAD     --good probe-->  LOADING, as a new incarnation
-    any      --drain()-->  DRAINING (still probed; in-flight requests finish)
+    any      --drain()-->  DRAINING (still probed; in-flight requests finish); resume() undoes it
     any      --remove()-->  DEAD, forgotten, client closed, ledger entries dropped
 
 Health is `router.fleet.health`: DOWN (DEAD) through failed probes; ejected (`ReplicaState.ejected`,
@@ -65,6 +68,7 @@ from router.fleet.health import (
     SlowReason,
     may_eject_for_slowness,
 )
+from router.fleet.lifecycle import Seen
 from router.fleet.live_replica import LiveReplica
 from router.fleet.probes import Schedule, fetch_metrics, probe_health
 
@@ -118,6 +122,11 @@ class LiveFleet:
         self.get(replica_id).draining = True
         log.info("replica draining", extra={"replica": replica_id})
 
+    def resume(self, replica_id: str) -> None:
+        """Undo a drain (a source reports the replica again before it left)."""
+        self.get(replica_id).draining = False
+        log.info("replica resumed", extra={"replica": replica_id})
+
     def is_drained(self, replica_id: str) -> bool:
         """Draining and no request of this router is still in flight on it."""
         r = self.get(replica_id)
@@ -163,6 +172,16 @@ class LiveFleet:
         ready = [r.block_size for r in self._replicas.values() if r.phase is Phase.READY]
         known = ready + [r.block_size for r in self._replicas.values()]
         return next((b for b in known if b is not None), None)
+
+    def seen(self) -> dict[str, Seen]:
+        """What this router publishes to the registry: phase, ejected, in flight per replica."""
+        now = self._clock()
+        return {
+            r.replica_id: Seen(
+                str(r.phase), r.health.is_ejected(now), self._view(r.replica_id).requests
+            )
+            for r in self._replicas.values()
+        }
 
     def ready_count(self) -> int:
         """Replicas a request may be routed to now (READY and not ejected)."""

@@ -35,6 +35,9 @@ class Member:
     # the GPU kind of the replica's group (a label, annotation or setting), for the roofline
     gpu: str | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
+    # the router's other per-replica settings (`ReplicaConfig`: tp, block_size, kv_events, ...),
+    # when the source has them (the static configuration, the admin API); JSON values
+    options: Mapping[str, object] = field(default_factory=dict)
 
 
 class MembershipSink(Protocol):

@@ -6,9 +6,15 @@ schema).
 
 Admin (Authorization: Bearer <admin key>; 404 while no admin key is configured):
 
-    GET    /admin/replicas, POST /admin/replicas, POST .../{id}/drain, DELETE .../{id}
-                                        (a new replica's URL and id must pass the replica guard,
-                                        router/fleet/urls.py: 400 `invalid_replica` otherwise)
+    GET    /admin/replicas              this router's replicas, and the fleet registry's view
+    POST   /admin/replicas              add one as the `admin` source of the fleet registry (its
+                                        URL and id must pass the replica guard, router/fleet/
+                                        urls.py: 400 `invalid_replica` otherwise, also for an id
+                                        the fleet has at another URL); adding it again is a no-op
+    POST   /admin/replicas/{id}/drain   drain it fleet-wide: no new requests, in-flight ones finish
+    DELETE /admin/replicas/{id}         drain it, wait up to `fleet.delete_wait_s` for it to
+                                        leave: 200 gone, 202 still draining; 404 unknown or gone
+                                        (replica changes reach every router sharing the registry)
     GET    /admin/tenants               every tenant: id, weight, class, limits, number of keys
     POST   /admin/tenants               add or replace one (a `TenantConfig`: keys as SHA-256
                                         digests; the old digests of a replaced tenant stop working)
@@ -32,11 +38,14 @@ from controlplane.errors import (
     AuthError,
     ConfigError,
     NotFoundError,
-    ReplicaRefusedError,
     RequestError,
+    StoreError,
+    UnknownReplicaError,
 )
 from router.config import ReplicaConfig, RouterSettings, TenantConfig
 from router.fairness.tenants import tenant_of, tenant_view
+from router.fleet.lifecycle import Lifecycle
+from router.fleet.registry import Snapshot
 from router.http.lean import OpenAIRequest, from_model
 from router.http.openai_api import ChatCompletionRequest, CompletionRequest
 from router.http.relay import serve_request
@@ -142,34 +151,42 @@ _ADMIN = [Depends(_admin)]
 @admin_routes.get("/replicas")
 async def list_replicas(request: Request) -> dict[str, Any]:
     rt = _admin(request)
-    return {"replicas": rt.fleet.status(), "at": time.time()}
+    body: dict[str, Any] = {"replicas": rt.fleet.status(), "at": time.time()}
+    try:
+        body["fleet"] = rt.registry.fleet_view(await rt.registry.load())
+    except StoreError as exc:  # the shared registry is down: this router's view only
+        body["fleet_error"] = str(exc)
+    return body
 
 
 @admin_routes.post("/replicas", status_code=201, dependencies=_ADMIN)
 async def add_replica(request: Request, replica: ReplicaConfig) -> dict[str, Any]:
-    try:
-        await _rt(request).add_replica(replica)
-    except ReplicaRefusedError:
-        raise  # a 400 of its own (param and code: which field was refused)
-    except ConfigError as exc:  # e.g. the id is taken
-        raise RequestError(str(exc)) from None
+    # ReplicaRefusedError is a 400 of its own (param and code: which field was refused)
+    await _rt(request).add_replica(replica)
     return {"added": replica.id}
+
+
+def _known(snap: Snapshot, replica_id: str) -> None:
+    rec = snap.records.get(replica_id)
+    if rec is None or rec.state is Lifecycle.GONE:
+        raise UnknownReplicaError(f"unknown replica {replica_id!r}")
 
 
 @admin_routes.post("/replicas/{replica_id}/drain")
 async def drain_replica(request: Request, replica_id: str) -> dict[str, Any]:
     rt = _admin(request)
-    rt.fleet.get(replica_id)  # 404 when unknown
-    rt.fleet.drain(replica_id)
+    _known(await rt.registry.load(), replica_id)
+    await rt.drain_replica(replica_id)
     return {"draining": replica_id, "in_flight": rt.ledger.view(replica_id).requests}
 
 
-@admin_routes.delete("/replicas/{replica_id}")
-async def remove_replica(request: Request, replica_id: str) -> dict[str, Any]:
+@admin_routes.delete("/replicas/{replica_id}", response_model=None)
+async def remove_replica(request: Request, replica_id: str) -> JSONResponse:
     rt = _admin(request)
-    rt.fleet.get(replica_id)
-    await rt.remove_replica(replica_id)
-    return {"removed": replica_id}
+    _known(await rt.registry.load(), replica_id)
+    if await rt.retire_replica(replica_id, rt.settings.fleet.delete_wait_s):
+        return JSONResponse({"removed": replica_id})
+    return JSONResponse({"draining": replica_id}, status_code=202)
 
 
 @admin_routes.get("/tenants", dependencies=_ADMIN)

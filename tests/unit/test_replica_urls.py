@@ -415,8 +415,14 @@ async def test_admin_adds_a_good_replica_and_refuses_a_taken_id(admin: Admin) ->
     r = await admin.client.post("/admin/replicas", json=body, headers=AUTH)
     assert r.status_code == 201 and r.json() == {"added": "c"}
     assert await admin.ids() == ["a", "b", "c"]
+    # the same replica again is a no-op (the admin source reports it once more)
     r = await admin.client.post("/admin/replicas", json=body, headers=AUTH)
-    assert r.status_code == 400 and "already exists" in r.json()["error"]["message"]
+    assert r.status_code == 201 and await admin.ids() == ["a", "b", "c"]
+    # a configured id at another URL is taken
+    taken = {"id": "a", "url": "http://c.fake:8000"}
+    r = await admin.client.post("/admin/replicas", json=taken, headers=AUTH)
+    assert r.status_code == 400 and "at another URL" in r.json()["error"]["message"]
+    assert admin.runtime.fleet.get("a").url == "http://a.fake:8000"
 
 
 @pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}])

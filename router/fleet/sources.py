@@ -1,0 +1,143 @@
+"""The fleet registry and the membership sources a router runs, wired from its settings.
+
+    registry = open_registry(settings, guard, metrics)    # Redis when fleet.shared, else memory
+    sources = membership_sources(settings, registry)   # static, then DNS (and others) if set
+    for s in sources: s.start()
+
+A `PollingSource` calls its blocking `poll` off the event loop every `interval_s` and reports
+the whole view (`set_members`). A poll that raises (the source is unreachable) or a report the
+registry cannot take (Redis down) is logged and counted, and the previous view stands until the
+next round; nothing is raised into the loop. A new source is one more entry in
+`membership_sources` (anything with `start()` and `aclose()`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from router.config import ReplicaConfig, RouterSettings
+from router.fleet.membership import Member, MembershipSink
+from router.fleet.registry import Backend, FleetRegistry, MemoryBackend, RegistryMetrics
+from router.fleet.urls import ReplicaGuard
+
+log = logging.getLogger(__name__)
+
+STATIC = "static"
+
+
+class Source(Protocol):
+    def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class PollingSource:
+    def __init__(
+        self,
+        sink: MembershipSink,
+        name: str,
+        poll: Callable[[], Sequence[Member]],
+        interval_s: float,
+    ) -> None:
+        self.sink = sink
+        self.name = name
+        self.poll = poll
+        self.interval_s = interval_s
+        self.failures = 0
+        self.last_error: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def report_once(self) -> bool:
+        """Poll and report now; False when either failed (the previous view stands)."""
+        try:
+            members = await asyncio.to_thread(self.poll)
+            await self.sink.set_members(self.name, members)
+        except Exception as exc:  # a source's failure is a missed round, never a crash
+            self.failures += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning(
+                "membership source failed", extra={"source": self.name, "error": self.last_error}
+            )
+            return False
+        self.last_error = None
+        return True
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"source-{self.name}")
+
+    async def _run(self) -> None:
+        while True:
+            await self.report_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def aclose(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def member_of(cfg: ReplicaConfig) -> Member:
+    """A configured (or admin-given) replica as a member, every setting kept in `options`."""
+    options = cfg.model_dump(mode="json", exclude={"id", "url", "gpu", "model"})
+    return Member(cfg.id, cfg.url, model=cfg.model, gpu=cfg.gpu, options=options)
+
+
+def static_source(settings: RouterSettings, sink: MembershipSink) -> PollingSource:
+    members = [member_of(r) for r in settings.replicas]
+    return PollingSource(sink, STATIC, lambda: members, settings.fleet.resync_s)
+
+
+def membership_sources(settings: RouterSettings, sink: MembershipSink) -> list[Source]:
+    from router.fleet.discovery.dns import dns_source
+
+    f = settings.fleet
+    sources: list[Source] = [static_source(settings, sink)]
+    if f.dns_name:
+        sources.append(
+            dns_source(
+                sink,
+                name=f.dns_name,
+                port=f.dns_port,
+                scheme=f.dns_scheme,
+                interval_s=f.dns_interval_s,
+                model=f.dns_model,
+                gpu=f.dns_gpu,
+            )
+        )
+    # Kubernetes (router/fleet/discovery/kubernetes.py) plugs in here, one more append
+    return sources
+
+
+def open_registry(
+    settings: RouterSettings, guard: ReplicaGuard, metrics: RegistryMetrics
+) -> FleetRegistry:
+    """The registry of `settings.fleet`: in Redis when shared, else this process's own."""
+    f = settings.fleet
+    backend: Backend
+    if f.shared and settings.redis.url:
+        from router.fleet.registry_redis import RedisBackend
+
+        backend = RedisBackend(
+            settings.redis.url, f.key_prefix, password_env=settings.redis.password_env
+        )
+    else:
+        backend = MemoryBackend()
+    return FleetRegistry(
+        backend, guard, drain_s=f.drain_timeout_s, ttl_s=f.heartbeat_ttl_s, metrics=metrics
+    )
+
+
+def router_id(settings: RouterSettings) -> str:
+    """This router's id in the registry (`fleet.router_id`, else host name, pid and a nonce)."""
+    if settings.fleet.router_id:
+        return settings.fleet.router_id
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
