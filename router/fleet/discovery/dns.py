@@ -50,7 +50,7 @@ def resolve_members(
         try:
             members.append(member_of(a, port, scheme, model=model, gpu=gpu))
         except ValueError:
-            log.warning("dns answer is not an address", extra={"name": name, "answer": a[:80]})
+            log.warning("dns answer is not an address", extra={"dns_name": name, "answer": a[:80]})
     return members
 
 
