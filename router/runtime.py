@@ -98,7 +98,9 @@ class RouterRuntime:
             resync_s=settings.fleet.resync_s,
         )
         self.static = static_source(settings, self.registry)
-        self.sources: list[Source] = membership_sources(settings, self.registry)[1:]
+        self.sources: list[Source] = membership_sources(settings, self.registry, resolve=resolve)
+        if self.static is not None:
+            self.sources.insert(0, self.static)
         self.index: RouterIndex = open_index(settings.redis)
         self.tokenizer = router_tokenizer(settings.tokenizer, self.fleet, settings.served_model)
         # API key -> tenant (config file, then /admin/tenants)
@@ -171,9 +173,9 @@ class RouterRuntime:
         await self.fairq.start()
         # the configured replicas first, then this router's fleet as the registry holds it
         # (a restarted router reads back what other sources and routers put there)
-        await self.static.report_once()
+        if self.static is not None:
+            await self.static.report_once()
         await self.follower.sync()
-        self.static.start()
         for s in self.sources:
             s.start()
         self.follower.start()
@@ -278,7 +280,7 @@ class RouterRuntime:
                 m.sync_kv_events(row.replica_id, row.batches, row.lost)
 
     async def aclose(self) -> None:
-        for s in (self.static, *self.sources):
+        for s in self.sources:
             await s.aclose()
         await self.follower.aclose()
         await self.registry.aclose()

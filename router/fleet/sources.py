@@ -1,7 +1,8 @@
 """The fleet registry and the membership sources a router runs, wired from its settings.
 
     registry = open_registry(settings, guard, metrics)    # Redis when fleet.shared, else memory
-    sources = membership_sources(settings, registry)   # static, then DNS (and others) if set
+    static = static_source(settings, registry)            # the configured replicas, if any
+    sources = membership_sources(settings, registry)      # DNS (and others) when configured
     for s in sources: s.start()
 
 A `PollingSource` calls its blocking `poll` off the event loop every `interval_s` and reports
@@ -25,7 +26,7 @@ from typing import Protocol
 from router.config import ReplicaConfig, RouterSettings
 from router.fleet.membership import Member, MembershipSink
 from router.fleet.registry import Backend, FleetRegistry, MemoryBackend, RegistryMetrics
-from router.fleet.urls import ReplicaGuard
+from router.fleet.urls import ReplicaGuard, Resolver, system_resolve
 
 log = logging.getLogger(__name__)
 
@@ -91,16 +92,25 @@ def member_of(cfg: ReplicaConfig) -> Member:
     return Member(cfg.id, cfg.url, model=cfg.model, gpu=cfg.gpu, options=options)
 
 
-def static_source(settings: RouterSettings, sink: MembershipSink) -> PollingSource:
+def static_source(settings: RouterSettings, sink: MembershipSink) -> PollingSource | None:
+    """The configured replicas as source "static"; None when there are none (a router
+    without configured replicas follows the others': it must not report an empty view). Every
+    router sharing a registry lists the same replicas, or none."""
+    if not settings.replicas:
+        return None
     members = [member_of(r) for r in settings.replicas]
     return PollingSource(sink, STATIC, lambda: members, settings.fleet.resync_s)
 
 
-def membership_sources(settings: RouterSettings, sink: MembershipSink) -> list[Source]:
+def membership_sources(
+    settings: RouterSettings, sink: MembershipSink, *, resolve: Resolver | None = None
+) -> list[Source]:
+    """Every source `settings` asks for but the static one (`static_source`, which the router
+    reports once before its first sync). `resolve`: host name -> addresses (tests)."""
     from router.fleet.discovery.dns import dns_source
 
     f = settings.fleet
-    sources: list[Source] = [static_source(settings, sink)]
+    sources: list[Source] = []
     if f.dns_name:
         sources.append(
             dns_source(
@@ -111,6 +121,7 @@ def membership_sources(settings: RouterSettings, sink: MembershipSink) -> list[S
                 interval_s=f.dns_interval_s,
                 model=f.dns_model,
                 gpu=f.dns_gpu,
+                resolve=resolve or system_resolve,
             )
         )
     # Kubernetes (router/fleet/discovery/kubernetes.py) plugs in here, one more append

@@ -91,12 +91,14 @@ async def test_static_configuration_is_a_source() -> None:
         fleet={"dns_name": "vllm.svc"},
     )
     reg = registry()
-    assert await static_source(settings, reg).report_once()
+    static = static_source(settings, reg)
+    assert static is not None and await static.report_once()
     rec = (await reg.load()).records["a"]
     assert rec.sources == ("static",) and rec.options["tp"] == 2 and rec.gpu == "a100"
     assert config_member(settings.replicas[0]).options["kv_topic"] == ""
     names = [getattr(s, "name", None) for s in membership_sources(settings, reg)]
-    assert names == ["static", "dns"]
+    assert names == ["dns"]
+    assert static_source(load_settings(), reg) is None  # no configured replica: no view
 
 
 def test_shared_fleet_needs_redis_and_ttl_exceeds_resync() -> None:
