@@ -13,6 +13,7 @@ import openai
 import pytest
 from openai import OpenAI
 from redis_server import RedisServer, available
+from router_fixtures import wait_until
 from router_harness import RouterServer
 from vllm_fleet import vllm_missing_reason
 
@@ -192,9 +193,19 @@ def test_admin_api_drains_and_restores(router: RouterServer) -> None:
     for i in range(4):  # nothing new goes to a draining replica
         decision, _ = _decision(router, f"drain test {i}", f"drain-{i}")
         assert decision["replica"] == "r0"
-    assert httpx.delete(f"{url}/r1", headers=auth).status_code == 200
-    assert httpx.delete(f"{url}/r1", headers=auth).status_code == 404
+    # drained and idle, it leaves on its own (the fleet registry settles the drain)
+    wait_until(
+        lambda: {r["id"] for r in httpx.get(url, headers=auth).json()["replicas"]} == {"r0"},
+        20,
+        "the drained replica to leave",
+    )
+    assert httpx.delete(f"{url}/r1", headers=auth).status_code == 404  # already gone
     cfg = {k: r1[k] for k in ("id", "url")} | {"gpu": "cpu", "model": "tiny-llama"}
+    assert httpx.post(url, json=cfg, headers=auth).status_code == 201
+    router.wait_ready(2, timeout_s=30)
+    # DELETE drains it and waits for it to leave (nothing in flight: at once)
+    assert httpx.delete(f"{url}/r1", headers=auth).json() == {"removed": "r1"}
+    assert httpx.delete(f"{url}/r1", headers=auth).status_code == 404
     assert httpx.post(url, json=cfg, headers=auth).status_code == 201
     router.wait_ready(2, timeout_s=30)
 
