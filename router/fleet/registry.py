@@ -2,6 +2,7 @@
 every router (a `MembershipSink` for the sources).
 
     registry = FleetRegistry(MemoryBackend(), guard, drain_s=300, ttl_s=10)   # or RedisBackend
+    (backends: router.fleet.registry_memory, router.fleet.registry_redis)
     await registry.set_members("dns", members)      # a source's whole view
     await registry.drain(["r3"]); left = await registry.wait_drained(["r3"], timeout_s=60)
 
@@ -17,7 +18,6 @@ one (`router.fleet.registry_redis`) every router sharing it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,44 +57,6 @@ class Backend(Protocol):
         ...
 
     async def aclose(self) -> None: ...
-
-
-class MemoryBackend:
-    """One process's registry (the default without Redis)."""
-
-    def __init__(self) -> None:
-        self.version = 0
-        self.records: dict[str, Record] = {}
-        self.observations: dict[str, Observation] = {}
-        self._changed = asyncio.Condition()
-
-    async def load(self) -> Snapshot:
-        return Snapshot(self.version, dict(self.records), list(self.observations.values()))
-
-    async def update(self, decide: Decide) -> Snapshot:
-        changed = decide(dict(self.records), self.version + 1)
-        if changed:
-            self.version += 1
-            self.records.update(changed)
-            async with self._changed:
-                self._changed.notify_all()
-        return await self.load()
-
-    async def observe(self, obs: Observation, ttl_s: float) -> None:
-        self.observations[obs.router_id] = obs
-        for rid, o in list(self.observations.items()):
-            if obs.at - o.at > ttl_s:
-                del self.observations[rid]
-
-    async def wait_change(self, version: int, timeout_s: float) -> None:
-        async with self._changed:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.version != version), timeout_s
-                )
-
-    async def aclose(self) -> None:
-        pass
 
 
 class RegistryMetrics:

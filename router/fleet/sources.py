@@ -25,7 +25,8 @@ from typing import Protocol
 
 from router.config import ReplicaConfig, RouterSettings
 from router.fleet.membership import Member, MembershipSink
-from router.fleet.registry import Backend, FleetRegistry, MemoryBackend, RegistryMetrics
+from router.fleet.registry import Backend, FleetRegistry, RegistryMetrics
+from router.fleet.registry_memory import MemoryBackend
 from router.fleet.urls import ReplicaGuard, Resolver, system_resolve
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,8 @@ from router.fleet import lifecycle as lc
 from router.fleet.follower import RegistryFollower, replica_config
 from router.fleet.lifecycle import DrainReason, Lifecycle, Observation, Record, Refusal, Seen
 from router.fleet.membership import Member
-from router.fleet.registry import FleetRegistry, MemoryBackend
+from router.fleet.registry import FleetRegistry
+from router.fleet.registry_memory import MemoryBackend
 from router.fleet.urls import ReplicaGuard
 
 L, D, G = Lifecycle.LOADING, Lifecycle.DRAINING, Lifecycle.GONE

@@ -12,7 +12,8 @@ import pytest
 from router.config import load_settings
 from router.fleet.discovery.dns import dns_source, member_of, resolve_members
 from router.fleet.lifecycle import Lifecycle
-from router.fleet.registry import FleetRegistry, MemoryBackend
+from router.fleet.registry import FleetRegistry
+from router.fleet.registry_memory import MemoryBackend
 from router.fleet.sources import member_of as config_member
 from router.fleet.sources import membership_sources, static_source
 from router.fleet.urls import ReplicaGuard
