@@ -16,13 +16,16 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from redis_server import RedisServer
 from router_fixtures import (
     MODEL,
+    metric_value,
     replica_entry,
     replica_status,
     router_settings,
     running_requests,
+    scrape,
     sim_args,
     wait_until,
 )
@@ -84,8 +87,16 @@ def routed_to(router: RouterServer, content: str) -> str:
     return parse_decision_header(r.headers["x-cp-decision"])["replica"]
 
 
+def registry_clients(admin: redis.Redis) -> int:
+    clients: list[dict[str, Any]] = admin.client_list()
+    return sum(1 for c in clients if c.get("name") == "cp-fleet-registry")
+
+
 def test_admin_add_on_one_router_reaches_the_other_and_a_restart_reads_it_back(
-    model_dir: Path, redis_server: RedisServer, sims: tuple[SimReplica, SimReplica]
+    model_dir: Path,
+    redis_server: RedisServer,
+    redis_admin: redis.Redis,
+    sims: tuple[SimReplica, SimReplica],
 ) -> None:
     s0, s1 = sims
     a_settings = shared(model_dir, redis_server.url, [replica_entry("r0", s0)])
@@ -104,12 +115,19 @@ def test_admin_add_on_one_router_reaches_the_other_and_a_restart_reads_it_back(
         states = {row["id"]: row["state"] for row in fleet}
         assert states == {"r0": "gone", "r1": "ready"}
         assert httpx.delete(f"{b.url}/admin/replicas/r0", headers=AUTH).status_code == 404
+        metrics = scrape(b.url)
+        assert metric_value(metrics, "cp_fleet_replicas", state="gone") == 1
+        assert metric_value(metrics, "cp_fleet_replicas", state="ready") == 1
+        assert metric_value(scrape(a.url), "cp_fleet_registry_updates_total", source="admin") >= 1
+        assert registry_clients(redis_admin) >= 2
     # a restarted router (a's configuration: r0 is configured) reads the fleet back: r1 from
     # the admin source, and r0 stays removed by the operator although it is still configured
     with RouterServer(a_settings) as again:
         again.wait_ready(1)
         assert ids(again) == {"r1"}
         assert routed_to(again, "after the restart") == "r1"
+    # every router closed its registry connections (pub/sub included)
+    wait_until(lambda: registry_clients(redis_admin) == 0, 10, "registry connections to close")
 
 
 STREAM = {
