@@ -16,7 +16,6 @@ applied (a registry that restarted empty does not empty the fleet before its sou
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from controlplane.errors import ControlPlaneError
 from router.config import ReplicaConfig
 from router.fleet.lifecycle import Lifecycle, Observation, Record, Seen
 from router.fleet.registry import FleetRegistry, Snapshot
+from router.fleet.sources import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class RegistryFollower:
         self.version = 0  # the registry version this router has applied
         self.degraded_reason: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
         self._lock = asyncio.Lock()
 
     async def sync(self) -> bool:
@@ -137,7 +138,7 @@ class RegistryFollower:
             self._task = asyncio.create_task(self._run(), name="fleet-follower")
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.sync()
                 await self.registry.backend.wait_change(self.version, self.resync_s)
@@ -148,8 +149,7 @@ class RegistryFollower:
                 await asyncio.sleep(self.resync_s)
 
     async def aclose(self) -> None:
+        self._closing = True
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)

@@ -34,6 +34,17 @@ log = logging.getLogger(__name__)
 STATIC = "static"
 
 
+async def stop_task(task: asyncio.Task[None]) -> None:
+    """Cancel a loop task and wait for it. A cancellation swallowed inside a client library
+    (seen with Redis reads under a timeout) must not hang the shutdown: the loop also checks
+    its closing flag each round, and the task is cancelled again until it ends."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=1.0)
+    with contextlib.suppress(asyncio.CancelledError):
+        task.result()
+
+
 class Source(Protocol):
     def start(self) -> None: ...
     async def aclose(self) -> None: ...
@@ -54,6 +65,7 @@ class PollingSource:
         self.failures = 0
         self.last_error: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     async def report_once(self) -> bool:
         """Poll and report now; False when either failed (the previous view stands)."""
@@ -75,16 +87,15 @@ class PollingSource:
             self._task = asyncio.create_task(self._run(), name=f"source-{self.name}")
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             await self.report_once()
             await asyncio.sleep(self.interval_s)
 
     async def aclose(self) -> None:
+        self._closing = True
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await stop_task(task)
 
 
 def member_of(cfg: ReplicaConfig) -> Member:
