@@ -20,7 +20,8 @@
     ├── CapacityError          nothing can serve the request now (maps to 503)
     │   ├── NoReadyReplicaError
     │   ├── TooManyConnectionsError  more connections open than the router takes
-    │   └── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
+    │   ├── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
+    │   └── RegistryUnavailableError  the shared fleet registry cannot be reached (admin)
     ├── UpstreamError          the chosen replica failed the request (502)
     │   └── UpstreamTimeoutError  no answer within the deadline (504)
     └── StoreError             a Redis store call that got no answer (never reaches a client:
@@ -169,6 +170,12 @@ class QuotaUnavailableError(CapacityError):
     """A hard quota cannot be checked (its store is unreachable): refuse rather than overshoot."""
 
     reason = "store_down"
+
+
+class RegistryUnavailableError(CapacityError):
+    """A fleet change (admin API) cannot reach the shared fleet registry; nothing changed."""
+
+    openai_code = "registry_unavailable"
 
 
 class UpstreamError(ControlPlaneError):

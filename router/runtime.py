@@ -22,14 +22,17 @@ hooks    what a request's scope (router/scope.py) closes when it ends: quota, fa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from controlplane.errors import RegistryUnavailableError, StoreError
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
 from controlplane.roofline.profile import EngineProfile
@@ -45,7 +48,7 @@ from router.fleet.follower import RegistryFollower
 from router.fleet.index import RouterIndex, open_index
 from router.fleet.lifecycle import ADMIN_SOURCE, Seen
 from router.fleet.live_fleet import LiveFleet
-from router.fleet.registry import RegistryMetrics
+from router.fleet.registry import RegistryMetrics, Snapshot
 from router.fleet.sources import (
     Source,
     member_of,
@@ -189,21 +192,30 @@ class RouterRuntime:
     async def add_replica(self, cfg: ReplicaConfig) -> None:
         """Add `cfg` as the admin source (`ReplicaRefusedError` when the guard refuses it or
         the id is in the fleet at another URL), then follow the registry at once."""
-        await self.registry.add(ADMIN_SOURCE, member_of(cfg))
+        async with _registry_call():
+            await self.registry.add(ADMIN_SOURCE, member_of(cfg))
         await self.follower.sync()
 
     async def drain_replica(self, replica_id: str) -> None:
         """Drain fleet-wide (`UnknownReplicaError` for an id the registry lacks)."""
-        await self.registry.drain([replica_id])
+        async with _registry_call():
+            await self.registry.drain([replica_id])
         await self.follower.sync()
 
     async def retire_replica(self, replica_id: str, wait_s: float) -> bool:
         """Drain it and wait up to `wait_s` for it to leave every router; whether it left."""
-        await self.registry.withdraw(ADMIN_SOURCE, replica_id)
+        async with _registry_call():
+            await self.registry.withdraw(ADMIN_SOURCE, replica_id)
         await self.drain_replica(replica_id)
-        left = await self.registry.wait_drained([replica_id], wait_s)
+        async with _registry_call():
+            left = await self.registry.wait_drained([replica_id], wait_s)
         await self.follower.sync()
         return not left
+
+    async def fleet_records(self) -> Snapshot:
+        """The registry's records now (`RegistryUnavailableError` when it cannot be read)."""
+        async with _registry_call():
+            return await self.registry.load()
 
     # -- FleetOps: what the registry follower changes ----------------------------------------------
     def members(self) -> dict[str, tuple[str, bool]]:
@@ -293,3 +305,12 @@ class RouterRuntime:
         await self.fleet.aclose()
         await self.tokenizer.aclose()
         await self.index.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _registry_call() -> AsyncIterator[None]:
+    """A store failure of the shared registry, as the error the admin API answers (503)."""
+    try:
+        yield
+    except StoreError as exc:
+        raise RegistryUnavailableError(f"the fleet registry is unreachable ({exc})") from None

@@ -38,8 +38,8 @@ from controlplane.errors import (
     AuthError,
     ConfigError,
     NotFoundError,
+    RegistryUnavailableError,
     RequestError,
-    StoreError,
     UnknownReplicaError,
 )
 from router.config import ReplicaConfig, RouterSettings, TenantConfig
@@ -153,8 +153,8 @@ async def list_replicas(request: Request) -> dict[str, Any]:
     rt = _admin(request)
     body: dict[str, Any] = {"replicas": rt.fleet.status(), "at": time.time()}
     try:
-        body["fleet"] = rt.registry.fleet_view(await rt.registry.load())
-    except StoreError as exc:  # the shared registry is down: this router's view only
+        body["fleet"] = rt.registry.fleet_view(await rt.fleet_records())
+    except RegistryUnavailableError as exc:  # the shared registry is down: this router's only
         body["fleet_error"] = str(exc)
     return body
 
@@ -175,7 +175,7 @@ def _known(snap: Snapshot, replica_id: str) -> None:
 @admin_routes.post("/replicas/{replica_id}/drain")
 async def drain_replica(request: Request, replica_id: str) -> dict[str, Any]:
     rt = _admin(request)
-    _known(await rt.registry.load(), replica_id)
+    _known(await rt.fleet_records(), replica_id)
     await rt.drain_replica(replica_id)
     return {"draining": replica_id, "in_flight": rt.ledger.view(replica_id).requests}
 
@@ -183,7 +183,7 @@ async def drain_replica(request: Request, replica_id: str) -> dict[str, Any]:
 @admin_routes.delete("/replicas/{replica_id}", response_model=None)
 async def remove_replica(request: Request, replica_id: str) -> JSONResponse:
     rt = _admin(request)
-    _known(await rt.registry.load(), replica_id)
+    _known(await rt.fleet_records(), replica_id)
     if await rt.retire_replica(replica_id, rt.settings.fleet.delete_wait_s):
         return JSONResponse({"removed": replica_id})
     return JSONResponse({"draining": replica_id}, status_code=202)

@@ -233,7 +233,7 @@ def ready_reasons(router: RouterServer) -> list[str]:
 def test_redis_outage_keeps_the_fleet_and_recovers(
     model_dir: Path, redis_server: RedisServer, sims: tuple[SimReplica, SimReplica]
 ) -> None:
-    s0, _ = sims
+    s0, s1 = sims
     with RouterServer(shared(model_dir, redis_server.url, [replica_entry("r0", s0)])) as a:
         a.wait_ready(1)
         redis_server.stop()
@@ -244,6 +244,13 @@ def test_redis_outage_keeps_the_fleet_and_recovers(
         )
         assert ids(a) == {"r0"}  # the last known fleet is kept, and served
         assert routed_to(a, "while Redis is down") == "r0"
+        # a fleet change cannot be made: a clear 503, nothing changed; the list still answers
+        r = httpx.post(f"{a.url}/admin/replicas", json=replica_entry("r1", s1), headers=AUTH)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "registry_unavailable"
+        r = httpx.post(f"{a.url}/admin/replicas/r0/drain", headers=AUTH)
+        assert r.status_code == 503
+        listed = httpx.get(f"{a.url}/admin/replicas", headers=AUTH).json()
+        assert "unreachable" in listed["fleet_error"] and ids(a) == {"r0"}
         redis_server.start()  # empty: the static source reports again, the follower recovers
         wait_until(
             lambda: not any(r.startswith("fleet registry") for r in ready_reasons(a)),
