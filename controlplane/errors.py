@@ -12,6 +12,8 @@
     │   ├── InvalidHttpError   400: bytes that are not HTTP/1.1
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
+    │   ├── ForbiddenError     403: a client this resource is not served to (the status view
+    │   │                      from a non-loopback address while no admin key is configured)
     │   ├── QuotaExceededError 429: no room in the tenant's token quota (Retry-After)
     │   ├── ReplicaRefusedError 400: a replica URL or id the router will not use (also a
     │   │                      ConfigError: a configured replica refused at startup)
@@ -104,6 +106,12 @@ class AuthError(RequestError):
     """A missing or wrong API or admin key."""
 
     status_code = 401
+
+
+class ForbiddenError(RequestError):
+    """The client may not have this resource, whatever key it sends."""
+
+    status_code = 403
 
 
 class QuotaExceededError(RequestError):
