@@ -18,6 +18,7 @@ POLL_MS = 1500
 _SCRIPT = r"""
 "use strict";
 const POLL_MS = __POLL_MS__;
+const MAX_DECISIONS = 12;
 const ORDER = ["loading", "ready", "draining", "ejected", "dead"];
 const $ = (id) => document.getElementById(id);
 function el(tag, cls, text) {
@@ -66,7 +67,8 @@ function render(s) {
     $("cap-" + k).textContent = cap[k];
   }
   const d = s.demand;
-  $("rate").textContent = d.rate_replicas === null ? "measuring" : fmt(d.rate_replicas, 2);
+  $("rate").textContent =
+    d.rate_replicas === null ? "measuring" : d.rate_replicas.toPrecision(3);
   $("rate-window").textContent =
     d.rate_replicas === null ? "" : "over " + fmt(d.window_s, 0) + " s";
   $("vs").textContent = cap.serving + " serving, " + cap.loading + " loading";
@@ -87,7 +89,7 @@ function render(s) {
     r.profile,
   ], (tr, r) => { tr.dataset.replica = r.id; tr.dataset.state = r.state; });
   $("no-replicas").hidden = reps.length > 0;
-  fill($("decisions"), s.decisions, (x) => [
+  fill($("decisions"), s.decisions.slice(0, MAX_DECISIONS), (x) => [
     ago(x.at_s, now), x.replica, x.reason, x.tenant, x.policy, x.hit_tokens,
   ], (tr, x) => { tr.dataset.reason = x.reason; });
   $("no-decisions").hidden = s.decisions.length > 0;
@@ -139,8 +141,10 @@ header { background: #1d232b; color: #fff; padding: 10px 18px; display: flex; ga
          align-items: baseline; flex-wrap: wrap; }
 header h1 { font-size: 17px; margin: 0; }
 main { padding: 12px 18px; display: grid; gap: 14px;
-       grid-template-columns: repeat(auto-fit, minmax(430px, 1fr)); }
-section { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: 10px 14px; }
+       grid-template-columns: repeat(auto-fit, minmax(520px, 1fr)); }
+section { background: #fff; border: 1px solid #dde1e6; border-radius: 6px; padding: 10px 14px;
+          overflow-x: auto; }
+section.wide { grid-column: 1 / -1; }
 h2 { font-size: 14px; margin: 0 0 8px; text-transform: uppercase; letter-spacing: .04em;
      color: #4b5563; }
 table { border-collapse: collapse; width: 100%; }
@@ -195,7 +199,7 @@ PAGE_HTML = f"""<!doctype html>
 <th>running</th><th>waiting</th><th>KV</th><th>profile</th></tr></thead>
 <tbody id="replicas"></tbody></table><p id="no-replicas" class="muted" hidden>no replica</p>
 </section>
-<section><h2>Last routing decisions</h2><table><thead><tr><th>when</th><th>replica</th>
+<section class="wide"><h2>Last routing decisions</h2><table><thead><tr><th>when</th><th>replica</th>
 <th>reason</th><th>tenant</th><th>policy</th><th>hit tokens</th></tr></thead>
 <tbody id="decisions"></tbody></table>
 <p id="no-decisions" class="muted" hidden>no request routed yet</p></section>
