@@ -339,6 +339,19 @@ class TelemetryConfig(Section):
     )
 
 
+class StatusConfig(Section):
+    """The fleet status (GET /admin/status, /status, `controlplane status`)."""
+
+    decisions: int = Field(
+        default=50, ge=1, le=10_000, description="Routing decisions kept for the status view."
+    )
+    demand_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Span over which the status view averages the arrival rate of demand.",
+    )
+
+
 class RouterSettings(BaseSettings):
     """The resolved configuration of one router process."""
 
@@ -407,6 +420,9 @@ class RouterSettings(BaseSettings):
     demand: DemandConfig = Field(
         default_factory=DemandConfig,
         description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
+    )
+    status: StatusConfig = Field(
+        default_factory=StatusConfig, description="The fleet status view (router/status/)."
     )
 
     @model_validator(mode="after")

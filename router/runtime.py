@@ -118,10 +118,10 @@ class RouterRuntime:
         )
         self.fleet.on_restart(self._restarted)
         # the status view: the last decisions, scaling decisions appended by an attached autoscaler
-        self.decisions = DecisionRing()
+        self.decisions = DecisionRing(settings.status.decisions)
         self.core.observers.append(self.decisions.record)
         self.status_sources: list[StatusSource] = []
-        self.status = StatusFeed(self)
+        self.status = StatusFeed(self, window_s=settings.status.demand_window_s)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
 

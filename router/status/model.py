@@ -12,7 +12,8 @@ page and `controlplane status` show.
    replicas still `loading`.
 4. Tenant shares: each known tenant's part of the work the fair queue charged (0 when nothing
    was charged yet), with its weight, requests in flight and waiting; the largest share first.
-5. The last routing decisions (newest first) and the attached autoscaler's, as given.
+5. The last routing decisions and the attached autoscaler's, newest first (given oldest first:
+   equal times keep the later one first).
 
 Nothing here holds a key, a digest, a salt or a replica URL: the value is shown to operators.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import TypeAdapter
 
@@ -157,6 +158,7 @@ class FleetStatus:
 
 
 _ADAPTER: TypeAdapter[FleetStatus] = TypeAdapter(FleetStatus)
+E = TypeVar("E", DecisionEntry, ScaleEntry)
 
 
 def display_state(row: Mapping[str, Any]) -> ReplicaDisplay:
@@ -223,6 +225,11 @@ def tenant_shares(tenants: Sequence[TenantInput]) -> tuple[TenantShare, ...]:
     return tuple(sorted(shares, key=lambda s: (-s.share, s.id)))
 
 
+def _newest_first(entries: Sequence[E]) -> tuple[E, ...]:
+    """By time, newest first; entries given oldest first keep that order reversed on ties."""
+    return tuple(sorted(reversed(entries), key=lambda e: -e.at_s))
+
+
 def build_status(inputs: StatusInputs) -> FleetStatus:
     rows = tuple(sorted((replica_row(r) for r in inputs.replicas), key=lambda r: r.id))
     degraded = tuple(inputs.degraded)
@@ -236,8 +243,8 @@ def build_status(inputs: StatusInputs) -> FleetStatus:
         capacity=capacity_of(rows),
         demand=inputs.demand,
         tenants=tenant_shares(inputs.tenants),
-        decisions=tuple(sorted(inputs.decisions, key=lambda d: -d.at_s)),
-        autoscaler=tuple(sorted(inputs.autoscaler, key=lambda d: -d.at_s)),
+        decisions=_newest_first(inputs.decisions),
+        autoscaler=_newest_first(inputs.autoscaler),
     )
 
 

@@ -37,9 +37,13 @@ from router_fixtures import (
 from router_harness import RouterServer
 from sim_fleet import SimReplica
 
+from autoscaler.controller import AutoscalerSettings, Controller, RouterScraper, load_policy
+from autoscaler.hosts.kubernetes import ObserveOnly
+from autoscaler.types import ScaleReason
 from controlplane.types import DecisionReason
 from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.config import ReplicaConfig
+from router.status.scale_log import ScaleLog
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -171,6 +175,30 @@ def test_status_reflects_the_fleet_and_recent_traffic(live: Live) -> None:
     text = httpx.get(f"{url}/admin/status", timeout=10.0).text
     for secret in (SECRET, *KEYS.values(), live.sims["r1"].url):
         assert secret not in text
+
+
+def test_an_attached_autoscaler_shows_its_decisions(live: Live) -> None:
+    """A headroom `Controller` in the test process scrapes the live router's /metrics; its
+    ticks reach the status through `ScaleLog` and `runtime.status_sources`."""
+    settings = AutoscalerSettings(routers=[live.router.url], model=MODEL, min_replicas=1)
+    log = ScaleLog()
+
+    async def two_ticks() -> None:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            scraper = RouterScraper(settings.routers, MODEL, client)
+            policy = load_policy(settings.policy, settings.policy_params)
+            controller = Controller(settings, policy, ObserveOnly("advisory"), scraper)
+            controller.on_tick.append(log.record)
+            for _ in range(2):
+                assert await controller.tick() is not None
+
+    asyncio.run(two_ticks())
+    live.router.call(lambda: live.router.runtime.status_sources.append(log.entries))
+    shown = status(live.router.url)["autoscaler"]
+    assert len(shown) == 2
+    assert shown[-1]["reason"] == str(ScaleReason.NO_DATA)  # the first tick sets baselines
+    assert {a["reason"] for a in shown} <= {str(r) for r in ScaleReason}
+    assert all(a["target"] >= 1 for a in shown)
 
 
 # -- the access rule -------------------------------------------------------------------------------

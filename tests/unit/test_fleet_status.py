@@ -159,6 +159,12 @@ def test_rows_sorted_decisions_newest_first_and_degraded_status() -> None:
     assert [a.target for a in s.autoscaler] == [3, 2]
     assert (s.status, s.degraded) == ("degraded", ("no ready replica",))
     assert build_status(inputs()).status == "ok"
+    # equal times: the later one (given oldest first) shows first
+    tie = [
+        DecisionEntry(5.0, "a", "prefix_hit", "t", "p"),
+        DecisionEntry(5.0, "b", "prefix_hit", "t", "p"),
+    ]
+    assert [d.replica for d in build_status(inputs(decisions=tie)).decisions] == ["b", "a"]
 
 
 def test_json_round_trip_without_urls_or_secrets() -> None:
