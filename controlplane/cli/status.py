@@ -38,7 +38,7 @@ def fetch_status(client: httpx.Client, url: str, key: str | None) -> FleetStatus
     headers = {"authorization": f"Bearer {key}"} if key else {}
     try:
         resp = client.get(f"{url}/admin/status", headers=headers)
-    except httpx.HTTPError as exc:
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise StatusUnavailable(f"cannot reach the router at {url}: {exc}") from None
     if resp.status_code != 200:
         try:

@@ -52,6 +52,8 @@ def _header(s: FleetStatus, note: str) -> Text:
 def _capacity(s: FleetStatus) -> Text:
     c, d = s.capacity, s.demand
     rate = "measuring" if d.rate_replicas is None else f"{d.rate_replicas:.3g} replicas"
+    if not d.metered:
+        rate = "off (demand.enabled is false)"
     loading = [r.id for r in s.replicas if r.state is ReplicaDisplay.LOADING]
     return Text(
         f"capacity: {c.serving} serving, {c.loading} loading, {c.draining} draining, "

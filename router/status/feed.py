@@ -71,6 +71,7 @@ class StatusFeed:
             queued=self.rt.fairq.queued,
             rate_replicas=measured[0] if measured else None,
             window_s=measured[1] if measured else 0.0,
+            metered=d.enabled,
         )
 
     def tenants(self) -> list[TenantInput]:

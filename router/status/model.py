@@ -74,6 +74,8 @@ class DemandFigures:
     # SLO-priced work arriving per second = replicas it keeps busy; None: not measured yet
     rate_replicas: float | None = None
     window_s: float = 0.0
+    # False: the router's demand signal is switched off (`demand.enabled`), no rate ever
+    metered: bool = True
 
 
 @dataclass(frozen=True, slots=True)

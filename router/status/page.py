@@ -67,8 +67,8 @@ function render(s) {
     $("cap-" + k).textContent = cap[k];
   }
   const d = s.demand;
-  $("rate").textContent =
-    d.rate_replicas === null ? "measuring" : d.rate_replicas.toPrecision(3);
+  $("rate").textContent = !d.metered ? "off"
+    : d.rate_replicas === null ? "measuring" : d.rate_replicas.toPrecision(3);
   $("rate-window").textContent =
     d.rate_replicas === null ? "" : "over " + fmt(d.window_s, 0) + " s";
   $("vs").textContent = cap.serving + " serving, " + cap.loading + " loading";

@@ -362,6 +362,15 @@ def render_page(url: str, tmp_path: Path) -> None:
     assert "data-reason=" in html
 
 
+def test_page_asks_for_the_admin_key_when_one_is_set(live: Live) -> None:
+    dom = headless("--dump-dom", f"{live.keyed.url}/status", budget_ms=3000)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    html = dom.stdout
+    assert '<form id="auth">' in html, "the key field is not shown"
+    assert "asks for its admin key" in html
+    assert "data-replica=" not in html and 'data-loaded="1"' not in html
+
+
 def test_cli_frame_screenshot(live: Live, tmp_path: Path) -> None:
     """The `controlplane status` frame as the terminal shows it (rich's SVG, rendered)."""
     from rich.console import Console

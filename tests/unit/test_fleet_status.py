@@ -295,3 +295,17 @@ def test_cli_frame_prints_markup_in_ids_literally() -> None:
     console = Console(record=True, width=160)
     console.print(frame(s))
     assert "[bold]x[/bold]" in console.export_text()
+
+
+@pytest.mark.parametrize(
+    ("demand", "want"),
+    [
+        (DEMAND, "demand: measuring"),
+        (DemandFigures(0, 0, 0.0, 0, rate_replicas=1.25, window_s=30.0), "demand: 1.25 replicas"),
+        (DemandFigures(0, 0, 0.0, 0, metered=False), "demand: off"),
+    ],
+)
+def test_cli_frame_demand_line(demand: DemandFigures, want: str) -> None:
+    console = Console(record=True, width=200)
+    console.print(frame(build_status(inputs(demand=demand))))
+    assert want in console.export_text()
