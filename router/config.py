@@ -267,6 +267,19 @@ class DemandConfig(Section):
     )
 
 
+class StatusConfig(Section):
+    """The fleet status (GET /admin/status, /status, `controlplane status`)."""
+
+    decisions: int = Field(
+        default=50, ge=1, le=10_000, description="Routing decisions kept for the status view."
+    )
+    demand_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Span over which the status view averages the arrival rate of demand.",
+    )
+
+
 class QuotaConfig(Section):
     window: Literal["fixed", "sliding"] = Field(
         default="fixed",
@@ -339,19 +352,6 @@ class TelemetryConfig(Section):
     )
 
 
-class StatusConfig(Section):
-    """The fleet status (GET /admin/status, /status, `controlplane status`)."""
-
-    decisions: int = Field(
-        default=50, ge=1, le=10_000, description="Routing decisions kept for the status view."
-    )
-    demand_window_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="Span over which the status view averages the arrival rate of demand.",
-    )
-
-
 class RouterSettings(BaseSettings):
     """The resolved configuration of one router process."""
 
@@ -414,15 +414,15 @@ class RouterSettings(BaseSettings):
     quota: QuotaConfig = Field(
         default_factory=QuotaConfig, description="Tenant token quotas (in Redis when configured)."
     )
+    status: StatusConfig = Field(
+        default_factory=StatusConfig, description="The fleet status view (router/status/)."
+    )
     telemetry: TelemetryConfig = Field(
         default_factory=TelemetryConfig, description="Metrics, traces, logs."
     )
     demand: DemandConfig = Field(
         default_factory=DemandConfig,
         description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
-    )
-    status: StatusConfig = Field(
-        default_factory=StatusConfig, description="The fleet status view (router/status/)."
     )
 
     @model_validator(mode="after")
