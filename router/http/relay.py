@@ -3,6 +3,8 @@
     build + quota + route               4xx / 503 before anything is reserved or sent; the quota
                                         holds prompt + max_tokens (429/503 when it cannot)
     open (cancellable)                  the first chunk, with at most one transparent retry
+                                        (refused, 503, or the replica ejected before its first
+                                        byte: router/http/ejection.py)
     relay                               streamed: the replica's bytes as they come (SSEFilter
                                         reads usage, [DONE] and counts events); else whole
     close                               the request's scope ends exactly once, in every path
@@ -52,7 +54,7 @@ from router.http.h1 import Header
 from router.http.lean import OpenAIRequest
 from router.http.openai_api import error_of, sse_error_event
 from router.http.prompts import check_prompt_count, quota_prompt_tokens, sequences
-from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage
+from router.http.proxy import NotAccepted, RetryReason, SSEFilter, Upstream, Usage
 from router.http.splice import set_members, set_nested
 from router.http.watch import ClientGone, ClientWatch
 from router.runtime import RouterRuntime
@@ -164,13 +166,16 @@ class Exchange:
             except NotAccepted as exc:
                 scope.reached = False
                 refused = f"replica {routed.replica_id} refused the request ({exc.kind})"
-                if len(routed.tried) > 1 or not proxy.budget.available():
+                # an ejection's retry does not wait for the budget: it is the fleet's own call
+                # and the client has seen nothing; still once per request
+                ejected = exc.kind is RetryReason.EJECTED
+                if len(routed.tried) > 1 or not (ejected or proxy.budget.available()):
                     raise _refusal(exc.kind, refused) from None
                 if await core.reroute(routed) is None:
                     raise _refusal(exc.kind, f"{refused}; no other replica to retry on") from None
                 if scope.ticket is not None:
                     rt.fairq.place(scope.ticket, routed.replica_id, rt.profile_of(routed))
-                proxy.budget.spend()
+                proxy.budget.spend()  # an ejection's retry spends a token when there is one
                 rt.metrics.retries.labels(exc.kind).inc()
                 continue
             self.up = up
@@ -235,9 +240,10 @@ class Exchange:
             await self.up.aclose()
 
 
-def _refusal(kind: str, message: str) -> Exception:
+def _refusal(kind: RetryReason, message: str) -> Exception:
     """Every replica tried refused: 503 when they were busy (their own 503), else 502."""
-    return NoReadyReplicaError(message) if kind == "503" else UpstreamError(message)
+    busy = kind is RetryReason.UNAVAILABLE
+    return NoReadyReplicaError(message) if busy else UpstreamError(message)
 
 
 async def serve_request(
