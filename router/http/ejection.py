@@ -12,9 +12,9 @@ into `Ejected` (and takes its cancel request back with `Task.uncancel`, as `rout
 does), so the caller re-sends the request to another replica; the cancellation closed the
 upstream connection, which makes the replica (vLLM or the simulator) abort the request. Any
 other cancellation (the client left, a server shutdown) propagates unchanged. The task whose own
-failure caused the ejection (a TTFT timeout recorded inside the section) is not cancelled but
-marked: the `UpstreamError` it raises becomes `Ejected` as well. A section that completes while
-its cancellation is still undelivered swallows it before returning (the answer came first).
+failure caused the ejection (its TTFT timeout, recorded inside the section) is left alone: it
+ends with its own error (504/502) as before, having waited a whole deadline already. A section
+that ends while this guard's cancel is still undelivered takes that cancel back.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-
-from controlplane.errors import UpstreamError
 
 
 class Ejected(Exception):
@@ -35,12 +33,11 @@ class Ejected(Exception):
 
 
 class _Waiter:
-    __slots__ = ("cancelled", "ejected", "task")
+    __slots__ = ("cancelled", "task")
 
     def __init__(self, task: asyncio.Task[object]) -> None:
         self.task = task
-        self.ejected = False  # the replica was ejected during the section
-        self.cancelled = False  # ... and this guard cancelled the task for it
+        self.cancelled = False  # the replica was ejected: this guard cancelled the task
 
 
 class EjectionGuard:
@@ -58,7 +55,6 @@ class EjectionGuard:
         except RuntimeError:  # no running loop
             current = None
         for w in self._waiting.pop(replica_id, ()):
-            w.ejected = True
             if w.task is not current and not w.task.done():
                 w.cancelled = True
                 w.task.cancel()
@@ -77,10 +73,8 @@ class EjectionGuard:
                 if task.uncancel() == 0:
                     raise Ejected(replica_id) from None
             raise
-        except UpstreamError as exc:
+        except Exception:
             await _absorb(task, w)
-            if w.ejected:
-                raise Ejected(replica_id) from exc
             raise
         else:
             await _absorb(task, w)  # the answer won the race
