@@ -352,9 +352,10 @@ class ShutdownConfig(Section):
     grace_s: float = Field(
         default=20.0,
         gt=0,
-        description="Then in-flight requests get this long to finish; those still running are "
-        "cut (cp_shutdown_cut_requests_total) and the process exits 0. drain_s + grace_s "
-        "should stay under the pod's terminationGracePeriodSeconds (30 s by default).",
+        description="Then in-flight requests get this long (rounded up to whole seconds) to "
+        "finish; those still running are cut (cp_shutdown_cut_requests_total) and the process "
+        "exits 0. drain_s + grace_s should stay under the pod's terminationGracePeriodSeconds "
+        "(30 s by default).",
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -45,7 +46,7 @@ class DrainingServer(uvicorn.Server):
         on_cut: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        config.timeout_graceful_shutdown = max(1, round(shutdown.grace_s))
+        config.timeout_graceful_shutdown = max(1, math.ceil(shutdown.grace_s))  # whole seconds
         super().__init__(config)
         self.shutdown_config = shutdown
         self.on_drain = on_drain
