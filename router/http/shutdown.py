@@ -2,7 +2,9 @@
 
     SIGTERM / SIGINT (first)   /ready answers 503 at once (`draining`), /health stays 200;
                                new requests are still served for `shutdown.drain_s` (a
-                               load balancer keeps sending until it sees the endpoint go)
+                               load balancer keeps sending until it sees the endpoint go),
+                               each response with `connection: close`, so keep-alive clients
+                               reconnect (through the balancer, to another router)
     after drain_s              the listener closes: new connections are refused (a client or a
                                proxy retries a refused connection on another router safely),
                                idle keep-alive connections close, busy ones close after their
@@ -28,10 +30,21 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from uvicorn.server import ServerState
 
 from router.config import ShutdownConfig
 
 log = logging.getLogger("controlplane.router")
+
+
+class DrainState(ServerState):
+    """uvicorn's state shared by the server's connections, plus whether it is draining (the
+    router's protocol, `router/http/protocol.py`, then closes each connection after its
+    response, with `connection: close`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draining = False
 
 
 class DrainingServer(uvicorn.Server):
@@ -48,6 +61,7 @@ class DrainingServer(uvicorn.Server):
     ) -> None:
         config.timeout_graceful_shutdown = max(1, math.ceil(shutdown.grace_s))  # whole seconds
         super().__init__(config)
+        self.server_state: DrainState = DrainState()
         self.shutdown_config = shutdown
         self.on_drain = on_drain
         self.on_cut = on_cut
@@ -69,6 +83,11 @@ class DrainingServer(uvicorn.Server):
         if sig == signal.SIGINT:
             self._captured_signals.append(sig)  # re-raised after the shutdown, as uvicorn does
         self.draining_since = self.clock()
+        self.server_state.draining = True
+        for conn in list(self.server_state.connections):
+            cycle = getattr(conn, "cycle", None)
+            if cycle is not None and not cycle.response_complete:
+                cycle.keep_alive = False  # the response in progress closes its connection
         self.on_drain()
         name = signal.Signals(sig).name if sig is not None else "request"
         log.info(

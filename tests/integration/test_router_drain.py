@@ -58,6 +58,10 @@ def test_drain_then_refuse_then_cut_at_the_grace_deadline(sim: SimReplica) -> No
     router.start()
     try:
         router.wait_ready(1)
+        before = httpx.post(
+            f"{router.url}/v1/chat/completions", json=_chat(2, stream=False, max_tokens=4)
+        )
+        assert before.status_code == 200 and before.headers.get("connection") != "close"
         stream_end: dict[str, str] = {}
         first_bytes = threading.Event()
 
@@ -89,6 +93,8 @@ def test_drain_then_refuse_then_cut_at_the_grace_deadline(sim: SimReplica) -> No
             f"{router.url}/v1/chat/completions", json=_chat(1, stream=False, max_tokens=4)
         )
         assert served.status_code == 200  # during the drain window: still served
+        # ... on a connection it then closes, so a keep-alive client reconnects elsewhere
+        assert served.headers.get("connection") == "close"
 
         wait_until(lambda: _refused(router.url), 20.0, "new connections refused after drain")
         streamer.join(30.0)
