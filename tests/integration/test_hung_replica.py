@@ -7,7 +7,8 @@ and every request waiting on it is cancelled there and sent once to `b`. Every c
 200 answer, none waits for the TTFT deadline (no replica is ejected for `ttft`, no 504), the
 retries are counted as `cp_retries_total{reason="ejected"}`, and once `a` runs again it sees the
 cancelled connections and aborts what it held (its running count drops to 0). The router ends
-with nothing held (ledger empty, gauges zero). A stopped process is always continued.
+with nothing held (ledger empty, gauges zero), each request's quota reserved and settled once.
+A stopped process is always continued.
 
 Clients that disconnect mid-stream, directly or through the router, free the replica's engine
 (`vllm:num_requests_running` back to 0, the aborts counted).
@@ -16,6 +17,7 @@ Clients that disconnect mid-stream, directly or through the router, free the rep
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 from collections import Counter
@@ -42,6 +44,8 @@ from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.fleet.health import EjectReason
 
 pytestmark = pytest.mark.timeout(120)
+TENANT, KEY = "hung-test", "sk-hung-test"
+KEY_SHA = hashlib.sha256(KEY.encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,10 @@ def body(i: int, *, stream: bool, max_tokens: int) -> dict[str, object]:
 
 async def _post(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str]:
     r = await client.post(
-        f"{url}/v1/chat/completions", json=body(i, stream=False, max_tokens=900), timeout=90.0
+        f"{url}/v1/chat/completions",
+        json=body(i, stream=False, max_tokens=900),
+        headers={"authorization": f"Bearer {KEY}"},
+        timeout=90.0,
     )
     return r.status_code, r.text
 
@@ -82,6 +89,7 @@ def test_replica_stopped_mid_load_costs_no_request(pair: tuple[SimReplica, SimRe
         policy={"name": "round_robin"},
         health={"probe_interval_s": 0.2, "probe_timeout_s": 0.5, "consecutive_failures": 3},
         timeouts={"ttft_s": 60.0},  # the deadline the requests must NOT wait for
+        tenants=[{"id": TENANT, "api_key_sha256": [KEY_SHA], "quota_tokens": 10**7}],
     )
     n = 12
     with RouterServer(settings) as router:
@@ -115,6 +123,9 @@ def test_replica_stopped_mid_load_costs_no_request(pair: tuple[SimReplica, SimRe
         wait_until(lambda: running_requests(a) == 0, 20.0, "a's engine to drop the cut requests")
         assert finished_requests(a, "abort") >= retried
         assert_router_idle(router, timeout_s=10.0)
+        # each request reserved its quota once and settled it once, retried or not
+        stats = router.call(lambda: router.runtime.quotas.stats(TENANT))
+        assert (stats.reserved, stats.settled, stats.duplicate, stats.open) == (n, n, 0, 0)
 
 
 # -- aborted streams free the replica ------------------------------------------------------------
