@@ -121,7 +121,10 @@ async def _request(urls: list[str], i: int, refused: Counter[str], max_tokens: i
 
 
 def test_sigterm_to_one_of_two_routers_loses_no_request(model_dir: Path, tmp_path: Path) -> None:
-    with SimReplica(*sim_args(model_dir, speed=1.0)) as a, SimReplica(*sim_args(model_dir)) as b:
+    with (
+        SimReplica(*sim_args(model_dir, speed=1.0)) as a,
+        SimReplica(*sim_args(model_dir, speed=1.0)) as b,
+    ):
         config = _config(model_dir, [a, b])
         first, second = Router(config, tmp_path, "first"), Router(config, tmp_path, "second")
         try:
@@ -131,7 +134,8 @@ def test_sigterm_to_one_of_two_routers_loses_no_request(model_dir: Path, tmp_pat
             refused: Counter[str] = Counter()
 
             async def run() -> tuple[list[str], str, list[int], list[int]]:
-                long_stream = asyncio.create_task(_request([first.url], 0, refused, 800))
+                # ~4-5 s of tokens: runs through the drain window and past the listener's close
+                long_stream = asyncio.create_task(_request([first.url], 0, refused, 900))
                 results: list[str] = []
                 ready_seen: list[int] = []
                 health_seen: list[int] = []
@@ -162,6 +166,7 @@ def test_sigterm_to_one_of_two_routers_loses_no_request(model_dir: Path, tmp_pat
         log = first.log.read_text()
         assert Counter(results) == {"ok": len(results)}, Counter(results)
         assert long_result == "ok", long_result  # in flight at SIGTERM, finished
+        assert refused[first.url] >= 1  # after the drain window: refused, sent to the other
         assert ready_seen == [503] and health_seen == [200]
         assert code == 0, log[-3000:]
         assert "drain window over" in log and "cutting" not in log
