@@ -146,7 +146,11 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def _up(stack: LocalStack, host: str, port: int, policy: str) -> None:
     with stack:
-        settings = stack.router_settings(host=host, port=port, policy={"name": policy})
+        # no load balancer to drain from on one machine: a signal stops accepting at once,
+        # requests in flight still finish (shutdown.grace_s)
+        settings = stack.router_settings(
+            host=host, port=port, policy={"name": policy}, shutdown={"drain_s": 0.0}
+        )
         index = f"Redis at {stack.redis_url}" if stack.redis_url else "the in-memory index"
         _progress(f"replicas ready; prefix index: {index}")
         text = SNIPPET.format(host=host, port=port, model=settings.served_model)

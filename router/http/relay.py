@@ -165,14 +165,14 @@ class Exchange:
                 up = await proxy.open(routed.replica_id, path, payload, headers)
             except NotAccepted as exc:
                 scope.reached = False
-                refused = (
-                    f"replica {routed.replica_id} was ejected before it answered"
-                    if exc.kind is RetryReason.EJECTED
-                    else f"replica {routed.replica_id} refused the request ({exc.kind})"
-                )
                 # an ejection's retry does not wait for the budget: it is the fleet's own call
                 # and the client has seen nothing; still once per request
                 ejected = exc.kind is RetryReason.EJECTED
+                refused = (
+                    f"replica {routed.replica_id} was ejected before it answered"
+                    if ejected
+                    else f"replica {routed.replica_id} refused the request ({exc.kind})"
+                )
                 if len(routed.tried) > 1 or not (ejected or proxy.budget.available()):
                     raise _refusal(exc.kind, refused) from None
                 if await core.reroute(routed) is None:

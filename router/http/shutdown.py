@@ -13,7 +13,8 @@
     at the deadline            what is still running is cancelled (every book released by the
                                request's own cleanup), counted in cp_shutdown_cut_requests_total
                                and logged; then the lifespan ends and the process exits 0
-    a second signal            skips the rest of the drain window (Ctrl-C twice: force exit)
+    a second signal            skips the rest of the drain window; a third SIGINT (Ctrl-C)
+                               skips the grace as well
 
 Only SIGINT is passed on after the shutdown (as uvicorn does), so Ctrl-C still ends a CLI as
 KeyboardInterrupt; SIGTERM ends in a normal return, so the process exits 0.
@@ -91,7 +92,8 @@ class DrainingServer(uvicorn.Server):
         self.on_drain()
         name = signal.Signals(sig).name if sig is not None else "request"
         log.info(
-            "shutdown (%s): /ready is 503; serving for %.1f s more, then %.1f s grace",
+            "shutdown (%s): /ready is 503; serving for %.1f s more, then %.1f s grace "
+            "(signal again to stop accepting now)",
             name,
             self.shutdown_config.drain_s,
             self.shutdown_config.grace_s,
