@@ -6,7 +6,9 @@
                                         (refused, 503, or the replica ejected before its first
                                         byte: router/http/ejection.py)
     relay                               streamed: the replica's bytes as they come (SSEFilter
-                                        reads usage, [DONE] and counts events); else whole
+                                        reads usage, [DONE] and counts events); else whole; a
+                                        stream cut by the shutdown's grace deadline ends with an
+                                        SSE error event (503 `shutting_down`)
     close                               the request's scope ends exactly once, in every path
                                         (router/scope.py: quota settled, fair-queue slot freed,
                                         routing books released, demand and telemetry told),
@@ -27,6 +29,8 @@ closed, which makes vLLM abort the request.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -73,6 +77,7 @@ log = logging.getLogger("controlplane.router")
 _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
+_CUT_MESSAGE = "the router shut down before the stream ended; retry the request"
 
 
 def request_id_of(headers: Mapping[str, str]) -> str:
@@ -148,6 +153,7 @@ class Exchange:
         self.sse = SSEFilter(keep_usage)
         self.up: Upstream | None = None
         self.failed = False
+        self.cut = False  # ended by the shutdown's grace deadline
 
     @property
     def routed(self) -> Routed:
@@ -217,6 +223,16 @@ class Exchange:
                 except UpstreamError as exc:
                     self.failed = True
                     out = sse_error_event(502, str(exc), "upstream_died")
+                except asyncio.CancelledError:
+                    if watch.gone:
+                        raise  # the client left: the section turns this into ClientGone
+                    # the shutdown's grace deadline (router/http/shutdown.py): end the stream
+                    # with an error event the client can read, then let the cancellation go on
+                    self.cut = True
+                    last = sse_error_event(503, _CUT_MESSAGE, "shutting_down")
+                    with contextlib.suppress(Exception):
+                        await send({"type": "http.response.body", "body": last, "more_body": False})
+                    raise
                 else:
                     out = out if self.failed else b""
                 await send({"type": "http.response.body", "body": out, "more_body": False})
@@ -224,7 +240,9 @@ class Exchange:
             pass
         finally:
             # a client that closes as soon as it has `[DONE]` (the OpenAI SDK) was served
-            if self.failed:
+            if self.cut:
+                outcome, status = Outcome.SHUTDOWN_CUT, "shutdown_cut"
+            elif self.failed:
                 outcome, status = Outcome.UPSTREAM_DIED, "upstream_died"
             elif sse.done:
                 outcome, status = Outcome.COMPLETED, "200"

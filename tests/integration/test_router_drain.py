@@ -8,6 +8,7 @@ grace deadline    a stream still running is cut: counted in cp_shutdown_cut_requ
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import threading
@@ -101,7 +102,10 @@ def test_drain_then_refuse_then_cut_at_the_grace_deadline(sim: SimReplica) -> No
         assert not streamer.is_alive()
         router.thread.join(30.0)
         assert not router.thread.is_alive()
-        assert stream_end["end"] == "cut" and "[DONE]" not in stream_end["text"]
+        # cut at the deadline: the stream ends with an error event the client can read
+        assert stream_end["end"] == "complete" and "[DONE]" not in stream_end["text"]
+        last = stream_end["text"].strip().rsplit("\n\n", 1)[-1]
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "shutting_down"
         metrics = router.runtime.metrics
         assert metrics.shutdown_cut._value.get() == 1
         assert len(router.runtime.ledger) == 0
