@@ -352,6 +352,26 @@ class TelemetryConfig(Section):
     )
 
 
+class ShutdownConfig(Section):
+    """What SIGTERM (or SIGINT) does: a Kubernetes pod's termination, `preStop` included."""
+
+    drain_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="After the signal, /ready answers 503 at once but new requests are still "
+        "served for this long (the endpoint's removal takes a moment to reach every load "
+        "balancer); then the listener closes and new connections are refused.",
+    )
+    grace_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="Then in-flight requests get this long (rounded up to whole seconds) to "
+        "finish; those still running are cut (cp_shutdown_cut_requests_total) and the process "
+        "exits 0. drain_s + grace_s should stay under the pod's terminationGracePeriodSeconds "
+        "(30 s by default).",
+    )
+
+
 class RouterSettings(BaseSettings):
     """The resolved configuration of one router process."""
 
@@ -423,6 +443,10 @@ class RouterSettings(BaseSettings):
     demand: DemandConfig = Field(
         default_factory=DemandConfig,
         description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
+    )
+    shutdown: ShutdownConfig = Field(
+        default_factory=ShutdownConfig,
+        description="Graceful shutdown on SIGTERM: drain window, then grace for in-flight work.",
     )
 
     @model_validator(mode="after")

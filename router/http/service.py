@@ -5,6 +5,7 @@
     GET  /health                                  alive
     GET  /ready                                   200 ready | 200 degraded (Redis down: load-based
                                                   routing) | 503 degraded (no ready replica)
+                                                  | 503 draining (shutting down)
     GET  /metrics                                 Prometheus (cp_*)
     /admin/replicas[...]                          list, add, drain, remove (admin key)
     GET  /admin/status, /status                   the fleet's status: JSON and its web page
