@@ -12,7 +12,8 @@ re-reads and retries. Scale down, in this order, so no request is cut and the ri
        (on a timeout the scale-down goes on: the timeout is the drain's bound, logged)
     3. Deployment only: `PATCH pods/<victim>` with the merge patch of the annotation
        `controller.kubernetes.io/pod-deletion-cost: "-2147483648"` (the ReplicaSet removes the
-       lowest cost first)
+       lowest cost first); a pod still carrying that mark from a scale-down whose PATCH failed,
+       and not a victim now, has it removed first (merge patch `null`)
     4. `PATCH .../scale`
 
 RBAC: `get` on the deployment/statefulset; `get`, `patch` on its `/scale`; for a Deployment's
@@ -43,6 +44,7 @@ from autoscaler.victims import (
 from controlplane.errors import ConfigError, KubernetesApiError
 from controlplane.kube.api import KubeClient, KubeConnection, resolve_namespace
 from controlplane.kube.pods import (
+    DELETION_COST,
     LOWEST_DELETION_COST,
     deletion_cost_patch,
     match_labels_selector,
@@ -104,6 +106,7 @@ class KubernetesScaler:
         self.what = f"{self.resource[:-1]} {self.namespace}/{self.name}"
         self.drainer: Drainer = drainer or NoDrainer()
         self.drain_timeout_s = settings.drain_timeout_s
+        self._marked: set[str] = set()  # pods carrying our lowest deletion cost, at the last list
         self.victims = Counter(
             "cp_autoscaler_victims", "Replicas chosen for removal.", ["reason"],
             registry=registry if registry is not None else CollectorRegistry(),
@@ -147,15 +150,27 @@ class KubernetesScaler:
         listed = await self.api.call(
             "GET", pods_path(self.namespace), params=selector, what=f"pods of {self.what}"
         )
-        pods = [
-            PodState(p["metadata"]["name"], pod_ready(p), pod_terminating(p))
-            for p in listed.get("items") or []
-        ]
+        items = listed.get("items") or []
+        pods = [PodState(p["metadata"]["name"], pod_ready(p), pod_terminating(p)) for p in items]
+        # pods an earlier scale-down marked and did not remove (its scale PATCH failed)
+        self._marked = {
+            p["metadata"]["name"]
+            for p in items
+            if (p["metadata"].get("annotations") or {}).get(DELETION_COST)
+            == str(LOWEST_DELETION_COST)
+        }
         info = await self.drainer.victim_info([p.name for p in pods if not p.terminating])
         return deployment_victims(pods, info, current - target)
 
+    async def _set_cost(self, name: str, cost: int | None) -> None:
+        await self.api.call(
+            "PATCH", f"{pods_path(self.namespace)}/{name}", deletion_cost_patch(cost),
+            what=f"pod {name}",
+        )  # fmt: skip
+
     async def scale_down(self, current: int, target: int) -> tuple[Victim, ...]:
         """Choose, drain, mark (Deployment), then PATCH the scale subresource."""
+        self._marked = set()
         victims = await self.choose_victims(current, target)
         ids = [v.name for v in victims]
         for v in victims:
@@ -166,11 +181,10 @@ class KubernetesScaler:
                 log.warning("%s: %s not drained in %.0f s, removing them anyway",
                             self.what, ids, self.drain_timeout_s)  # fmt: skip
         if self.resource == "deployments":
+            for name in sorted(self._marked - set(ids)):
+                await self._set_cost(name, None)  # a stale mark would make it go instead
             for name in ids:
-                await self.api.call(
-                    "PATCH", f"{pods_path(self.namespace)}/{name}",
-                    deletion_cost_patch(LOWEST_DELETION_COST), what=f"pod {name}",
-                )  # fmt: skip
+                await self._set_cost(name, LOWEST_DELETION_COST)
         await self.set_replicas(target)
         return victims
 

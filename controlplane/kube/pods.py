@@ -36,9 +36,10 @@ def match_labels_selector(match_labels: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
 
 
-def deletion_cost_patch(cost: int) -> dict[str, Any]:
-    """The merge patch that sets a pod's deletion cost (annotation values are strings)."""
-    return {"metadata": {"annotations": {DELETION_COST: str(cost)}}}
+def deletion_cost_patch(cost: int | None) -> dict[str, Any]:
+    """The merge patch that sets a pod's deletion cost (a string), or removes it (None)."""
+    value = None if cost is None else str(cost)
+    return {"metadata": {"annotations": {DELETION_COST: value}}}
 
 
 __all__ = [

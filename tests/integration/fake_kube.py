@@ -198,7 +198,12 @@ class FakeKube:
             if name not in self.pods:
                 return JSONResponse(_status(404, f'pods "{name}" not found'), status_code=404)
             patch = json.loads(body)
-            self.pods[name]["metadata"]["annotations"].update(patch["metadata"]["annotations"])
+            annotations = self.pods[name]["metadata"]["annotations"]
+            for key, value in patch["metadata"]["annotations"].items():
+                if value is None:  # JSON merge patch: null removes the key
+                    annotations.pop(key, None)
+                else:
+                    annotations[key] = value
             self._event("MODIFIED", self.pods[name])
             return JSONResponse(copy.deepcopy(self.pods[name]))
         if path.startswith(apps):

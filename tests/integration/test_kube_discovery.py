@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 from fake_kube import NS, FakeKube
 
+from controlplane.errors import ReplicaRefusedError
 from router.fleet.discovery.kubernetes import (
     KubernetesDiscovery,
     KubernetesDiscoveryConfig,
@@ -30,6 +31,7 @@ class Sink:
     """A MembershipSink that keeps every report."""
 
     def __init__(self) -> None:
+        self.refused = False
         self.reports: list[tuple[Member, ...]] = []
         self.changed = asyncio.Condition()
 
@@ -192,3 +194,30 @@ async def test_api_down_then_back_rewatches_without_relisting(rig: Rig) -> None:
     await sink.until({"vllm-a": ("http://10.0.0.1:8000", False)})
     assert rig.lists() == 1
     assert rig.watches()[-1]["resourceVersion"] == "103"
+
+
+async def test_a_refused_report_is_offered_again() -> None:
+    kube = FakeKube()
+    await kube.start()
+    kube.add_pod("vllm-a", ip="10.0.0.1", labels=APP)
+
+    class RefusesOnce(Sink):
+        async def set_members(self, source: str, members: Sequence[Member]) -> None:
+            if not self.refused:
+                self.refused = True
+                raise ReplicaRefusedError("not today", param="url")
+            await super().set_members(source, members)
+
+    sink = RefusesOnce()
+    cfg = KubernetesDiscoveryConfig(api_url=kube.url, namespace=NS, label_selector="app=vllm")
+    discovery = KubernetesDiscovery(cfg, sink)
+    discovery.start()
+    try:
+        await eventually(lambda: discovery.errors.labels("report")._value.get() == 1)
+        assert sink.reports == []
+        kube.add_pod("vllm-b", ip="10.0.0.2", labels=APP)  # the next event carries the whole view
+        await sink.until({"vllm-a": ("http://10.0.0.1:8000", True),
+                          "vllm-b": ("http://10.0.0.2:8000", True)})  # fmt: skip
+    finally:
+        await discovery.aclose()
+        await kube.stop()

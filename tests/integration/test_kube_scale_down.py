@@ -103,6 +103,24 @@ async def test_deployment_victim_is_drained_annotated_then_scaled(kube: FakeKube
     assert scaler.victims.labels(VictimReason.LEAST_WORK)._value.get() == 1
 
 
+async def test_a_stale_mark_is_removed_before_the_victim_is_marked(kube: FakeKube) -> None:
+    kube.add_workload("deployments", "vllm", 3)
+    stale, busy, idle = sorted(kube.pods)
+    # an earlier scale-down marked `stale`, and its scale PATCH never went through
+    kube.pods[stale]["metadata"]["annotations"][DELETION_COST] = "-2147483648"
+    drainer = FakeDrainer(kube, {stale: (3, 0), busy: (2, 0), idle: (0, 0)})
+    scaler = scaler_for(kube, drainer, deployment="vllm")
+    try:
+        await scale_to(scaler, drainer, 2)
+    finally:
+        await scaler.aclose()
+    patches = [(r.path.rsplit("/", 1)[1], r.body) for r in kube.requests if r.method == "PATCH"]
+    assert [p[0] for p in patches] == [stale, idle, "scale"]
+    assert patches[0][1] == {"metadata": {"annotations": {DELETION_COST: None}}}
+    assert sorted(kube.pods) == [stale, busy]
+    assert DELETION_COST not in kube.pods[stale]["metadata"]["annotations"]
+
+
 async def test_deployment_prefers_unready_and_unknown_pods(kube: FakeKube) -> None:
     kube.add_workload("deployments", "vllm", 4)
     a, b, c, d = sorted(kube.pods)

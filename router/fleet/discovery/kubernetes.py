@@ -8,6 +8,8 @@
         the server ends the watch (timeoutSeconds) -> watch again from the last rv
         410 Gone (HTTP or an ERROR event)         -> LIST again (relist), report, watch from it
         transport error / 5xx / 403 ...            -> back off (doubling, capped), watch from rv
+        the sink refuses a report (ControlPlaneError) -> counted; offered again with the next
+                                                        event or watch renewal
 
 A report is `sink.set_members("kubernetes", members)` (`router.fleet.membership`). A pod is a
 member once it has an IP: id = pod name, url = `scheme://podIP:port` (the port of the container
@@ -30,7 +32,7 @@ from typing import Any, Literal
 from prometheus_client import CollectorRegistry, Counter
 from pydantic import Field
 
-from controlplane.errors import KubernetesApiError, ResourceGoneError
+from controlplane.errors import ControlPlaneError, KubernetesApiError, ResourceGoneError
 from controlplane.kube.api import KubeClient, KubeConnection, resolve_namespace
 from controlplane.kube.pods import pod_ready, pods_path
 from controlplane.routing.config import Section
@@ -142,8 +144,15 @@ class KubernetesDiscovery:
 
     async def _report(self) -> None:
         view = tuple(sorted(self.members.values(), key=lambda m: m.replica_id))
-        if view != self.reported:
+        if view == self.reported:
+            return
+        try:
             await self.sink.set_members(SOURCE, view)
+        except ControlPlaneError as exc:  # sent again with the next event or watch renewal
+            self.errors.labels("report").inc()
+            log.warning("the fleet registry refused the kubernetes view: %s", exc)
+            self.reported = None
+        else:
             self.reported = view
 
     async def relist(self, reason: RelistReason) -> None:
@@ -203,6 +212,7 @@ class KubernetesDiscovery:
                     reason = None
                     stage = "watch"
                 await self.watch_once()
+                await self._report()  # a view the sink refused is offered again
                 backoff = self.cfg.backoff_s
             except ResourceGoneError:
                 log.info("resourceVersion %s expired (410): listing the pods again", self.rv)
