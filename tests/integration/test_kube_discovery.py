@@ -159,8 +159,8 @@ async def test_gone_relists_and_stays_correct(rig: Rig, how: str) -> None:
         kube.fail_next = [410]
         await kube.start()
     await eventually(lambda: discovery.relists.labels(RelistReason.GONE)._value.get() == 1)
+    await eventually(lambda: rig.lists() == 2)
     await sink.until({"vllm-d": ("http://10.0.0.4:8000", True)})
-    assert rig.lists() == 2
     # watching goes on from the relisted version
     kube.set_ready("vllm-d", False)
     await sink.until({"vllm-d": ("http://10.0.0.4:8000", False)})
