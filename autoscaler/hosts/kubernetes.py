@@ -5,9 +5,11 @@
   scale-down first picks its victims (a StatefulSet's top ordinals, a Deployment's pods with the
   least in-flight and cached work), drains them through the `Drainer` (`autoscaler/victims.py`),
   sets `controller.kubernetes.io/pod-deletion-cost` on a Deployment's victims, and only then
-  PATCHes. 429/5xx/transport errors are retried with backoff, a 409 re-reads; anything else
-  (401/403/404/422) raises `KubernetesApiError` with the API's own message. The controller logs
-  and counts the error and tries again next tick.
+  PATCHes. `build(..., drainer=...)` takes the drainer; `serve()` has none yet (`NoDrainer`: no
+  load known, nothing waited on, so a Deployment's victims are its not-Ready pods, then by name)
+  until a drainer over the routers' admin API exists. 429/5xx/transport errors are retried with
+  backoff, a 409 re-reads; anything else (401/403/404/422) raises `KubernetesApiError` with the
+  API's own message. The controller logs and counts the error and tries again next tick.
 - `advisory`: reads the fleet if a Deployment/StatefulSet is named (GETs only), never PATCHes;
   each decision is one JSON log line.
 - `keda`: publishes the target as `cp_autoscaler_target_replicas{model}` on `/metrics` and as
