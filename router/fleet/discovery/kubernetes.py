@@ -110,6 +110,11 @@ def pod_member(pod: Mapping[str, Any], cfg: KubernetesDiscoveryConfig) -> Member
     )
 
 
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("kubernetes discovery stopped", exc_info=task.exception())
+
+
 class KubernetesDiscovery:
     """Keeps `sink` told of the pods matching the selector, until closed."""
 
@@ -227,6 +232,7 @@ class KubernetesDiscovery:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self.run(), name="kubernetes-discovery")
+            self._task.add_done_callback(_log_crash)
 
     async def aclose(self) -> None:
         """Stop watching and close the API client (the last view stays with the sink)."""
