@@ -25,10 +25,13 @@
     │   └── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
     ├── UpstreamError          the chosen replica failed the request (502)
     │   └── UpstreamTimeoutError  no answer within the deadline (504)
-    └── StoreError             a Redis store call that got no answer (never reaches a client:
-        │                      each store decides what it means: unknown, 503, local fallback)
-        ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
-        └── StoreTimeoutError      sent; Redis did not answer within the call's budget
+    ├── StoreError             a Redis store call that got no answer (never reaches a client:
+    │   │                      each store decides what it means: unknown, 503, local fallback)
+    │   ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
+    │   └── StoreTimeoutError      sent; Redis did not answer within the call's budget
+    └── KubernetesApiError     a Kubernetes API call that failed after its retries (`status`:
+        │                      the HTTP code, None for a transport error; never reaches a client)
+        └── ResourceGoneError  410 Gone: a watch's resourceVersion expired (relist)
 
 Library code raises these; the HTTP boundary maps them to OpenAI-shaped errors once, and the CLI
 maps them to a message on stderr and a non-zero exit code.
@@ -206,3 +209,18 @@ class StoreUnavailableError(StoreError):
 
 class StoreTimeoutError(StoreError):
     """The call was sent, and Redis did not answer within its budget."""
+
+
+class KubernetesApiError(ControlPlaneError):
+    """A Kubernetes API call that failed after its retries (`controlplane/kube/api.py`)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ResourceGoneError(KubernetesApiError):
+    """410 Gone: the resourceVersion a watch started from is too old; list again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=410)
