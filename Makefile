@@ -9,7 +9,7 @@ OUT    ?= out
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
 
-.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -47,6 +47,13 @@ redis-server: ## make sure a redis-server binary exists (tests start their own p
 		SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server; }
 
+chromium: ## make sure a headless chromium exists (the /status page test renders in it)
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+		echo "installing chromium (apt)"; \
+		SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; } \
+		|| echo "no chromium: the /status page test is skipped"
+
 $(VLLM_STAMP): | $(STAMP)
 	$(BIN)/controlplane fleet vllm-env --venv $(VLLM_VENV)
 
@@ -55,7 +62,7 @@ vllm-env: $(VLLM_STAMP) ## real vLLM CPU build in its own venv (.venv-vllm; ~3.5
 fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
 	$(BIN)/controlplane fleet up --engine vllm --replicas 2
 
-unit: $(STAMP) $(VLLM_STAMP) redis-server ## the test suite (includes real vLLM CPU replicas)
+unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
 	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
 
 test: lint typecheck unit ## everything CI runs

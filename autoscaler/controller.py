@@ -273,6 +273,8 @@ class Controller:
         self.last: FleetObservation | None = None
         self.decision: ScaleDecision | None = None
         self.label = settings.model or "all"
+        # told of every tick's result (e.g. router/status/scale_log.py when run in the router)
+        self.on_tick: list[Callable[[TickResult], None]] = []
 
     async def _observe(self) -> FleetObservation | None:
         try:
@@ -322,7 +324,10 @@ class Controller:
             self.load_times = self.load_times.ordered(now, fleet.spec, decision.target)
             self.last = FleetObservation(decision.target, fleet.ready)
         self._export(ctx, decision)
-        return TickResult(decision, sample, fleet, applied)
+        result = TickResult(decision, sample, fleet, applied)
+        for observe in self.on_tick:
+            observe(result)
+        return result
 
     def _export(self, ctx: ScaleContext, decision: ScaleDecision) -> None:
         m, lbl = self.metrics, self.label

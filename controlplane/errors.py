@@ -12,6 +12,8 @@
     │   ├── InvalidHttpError   400: bytes that are not HTTP/1.1
     │   ├── ModelNotFoundError 404: a model this router does not serve
     │   ├── AuthError          401: a missing or wrong key
+    │   ├── ForbiddenError     403: a client this resource is not served to (the status view
+    │   │                      from a non-loopback address while no admin key is configured)
     │   ├── QuotaExceededError 429: no room in the tenant's token quota (Retry-After)
     │   ├── ReplicaRefusedError 400: a replica URL or id the router will not use (also a
     │   │                      ConfigError: a configured replica refused at startup)
@@ -24,10 +26,13 @@
     │   └── RegistryUnavailableError  the shared fleet registry cannot be reached (admin)
     ├── UpstreamError          the chosen replica failed the request (502)
     │   └── UpstreamTimeoutError  no answer within the deadline (504)
-    └── StoreError             a Redis store call that got no answer (never reaches a client:
-        │                      each store decides what it means: unknown, 503, local fallback)
-        ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
-        └── StoreTimeoutError      sent; Redis did not answer within the call's budget
+    ├── StoreError             a Redis store call that got no answer (never reaches a client:
+    │   │                      each store decides what it means: unknown, 503, local fallback)
+    │   ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
+    │   └── StoreTimeoutError      sent; Redis did not answer within the call's budget
+    └── KubernetesApiError     a Kubernetes API call that failed after its retries (`status`:
+        │                      the HTTP code, None for a transport error; never reaches a client)
+        └── ResourceGoneError  410 Gone: a watch's resourceVersion expired (relist)
 
 Library code raises these; the HTTP boundary maps them to OpenAI-shaped errors once, and the CLI
 maps them to a message on stderr and a non-zero exit code.
@@ -105,6 +110,12 @@ class AuthError(RequestError):
     """A missing or wrong API or admin key."""
 
     status_code = 401
+
+
+class ForbiddenError(RequestError):
+    """The client may not have this resource, whatever key it sends."""
+
+    status_code = 403
 
 
 class QuotaExceededError(RequestError):
@@ -205,3 +216,18 @@ class StoreUnavailableError(StoreError):
 
 class StoreTimeoutError(StoreError):
     """The call was sent, and Redis did not answer within its budget."""
+
+
+class KubernetesApiError(ControlPlaneError):
+    """A Kubernetes API call that failed after its retries (`controlplane/kube/api.py`)."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ResourceGoneError(KubernetesApiError):
+    """410 Gone: the resourceVersion a watch started from is too old; list again."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=410)

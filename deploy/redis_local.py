@@ -137,7 +137,10 @@ class RedisServer:
         if self.password:
             args += ["--requirepass", self.password]
         args += list(self.extra_args)
-        self.child = spawn(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # die_with_parent: a parent killed outright (SIGKILL) still takes its private server along
+        self.child = spawn(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, die_with_parent=True
+        )
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

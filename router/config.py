@@ -324,6 +324,19 @@ class DemandConfig(Section):
     )
 
 
+class StatusConfig(Section):
+    """The fleet status (GET /admin/status, /status, `controlplane status`)."""
+
+    decisions: int = Field(
+        default=50, ge=1, le=10_000, description="Routing decisions kept for the status view."
+    )
+    demand_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Span over which the status view averages the arrival rate of demand.",
+    )
+
+
 class QuotaConfig(Section):
     window: Literal["fixed", "sliding"] = Field(
         default="fixed",
@@ -396,6 +409,26 @@ class TelemetryConfig(Section):
     )
 
 
+class ShutdownConfig(Section):
+    """What SIGTERM (or SIGINT) does: a Kubernetes pod's termination, `preStop` included."""
+
+    drain_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="After the signal, /ready answers 503 at once but new requests are still "
+        "served for this long (the endpoint's removal takes a moment to reach every load "
+        "balancer); then the listener closes and new connections are refused.",
+    )
+    grace_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="Then in-flight requests get this long (rounded up to whole seconds) to "
+        "finish; those still running are cut (cp_shutdown_cut_requests_total) and the process "
+        "exits 0. drain_s + grace_s should stay under the pod's terminationGracePeriodSeconds "
+        "(30 s by default).",
+    )
+
+
 class RouterSettings(BaseSettings):
     """The resolved configuration of one router process."""
 
@@ -462,12 +495,19 @@ class RouterSettings(BaseSettings):
     quota: QuotaConfig = Field(
         default_factory=QuotaConfig, description="Tenant token quotas (in Redis when configured)."
     )
+    status: StatusConfig = Field(
+        default_factory=StatusConfig, description="The fleet status view (router/status/)."
+    )
     telemetry: TelemetryConfig = Field(
         default_factory=TelemetryConfig, description="Metrics, traces, logs."
     )
     demand: DemandConfig = Field(
         default_factory=DemandConfig,
         description="The demand signal for the autoscaler (work in replica-seconds at the SLO).",
+    )
+    shutdown: ShutdownConfig = Field(
+        default_factory=ShutdownConfig,
+        description="Graceful shutdown on SIGTERM: drain window, then grace for in-flight work.",
     )
 
     @model_validator(mode="after")

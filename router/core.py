@@ -119,6 +119,8 @@ class RouterCore:
         self._secret = os.environ.get(settings.hash_secret_env, "").encode()
         self._hashers: OrderedDict[tuple[str, int], BlockHasher] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
+        # told of every committed decision (the status view's ring: router/status/ring.py)
+        self.observers: list[Callable[[Routed], None]] = []
 
     # -- 1..3: the request ------------------------------------------------------------------------
     async def _tokens(self, req: OpenAIRequest) -> tuple[Tokenized, int]:
@@ -286,6 +288,8 @@ class RouterCore:
         if decision.replica_id is None:
             raise NoReadyReplicaError("no ready replica for this request")
         routed, ops = books.commit(req, decision, snap, arm, self.clock(), lookup=outcome)
+        for observe in self.observers:
+            observe(routed)
         await self._apply(ops)
         self._gauges(routed.replica_id)
         return routed

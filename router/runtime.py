@@ -16,6 +16,8 @@ proxy    Proxy: upstream calls, retries, streaming deadlines
 quotas   token quotas per tenant (MemoryQuotaStore, or RedisQuotaStore with `redis.url`)
 demand   RouterDemand: the autoscaler's demand signal (cp_demand_*, cp_backlog_*)
 metrics  RouterMetrics (its own registry)
+status   StatusFeed: GET /admin/status, /status (router/status/); `decisions` the last routing
+         decisions; `status_sources` scaling decisions of an autoscaler in this process
 hooks    what a request's scope (router/scope.py) closes when it ends: quota, fair queue,
          routing books, demand, telemetry
 """
@@ -60,6 +62,8 @@ from router.fleet.sources import (
 from router.fleet.urls import Resolver
 from router.http.proxy import Proxy
 from router.scope import RequestScope, ScopeHooks
+from router.status.feed import StatusFeed, StatusSource
+from router.status.ring import DecisionRing
 from router.telemetry import RouterMetrics, decision_header_value
 from router.telemetry.demand import RouterDemand
 from router.telemetry.requests import RequestTelemetry
@@ -143,6 +147,11 @@ class RouterRuntime:
             RequestTelemetry(self.metrics),
         )
         self.fleet.on_restart(self._restarted)
+        # the status view: the last decisions, scaling decisions appended by an attached autoscaler
+        self.decisions = DecisionRing(settings.status.decisions)
+        self.core.observers.append(self.decisions.record)
+        self.status_sources: list[StatusSource] = []
+        self.status = StatusFeed(self, window_s=settings.status.demand_window_s)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
 

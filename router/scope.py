@@ -44,6 +44,7 @@ class Outcome(StrEnum):
     UPSTREAM_FAILED = "upstream_failed"  # no answer: refused, reset, timed out (502/503/504)
     REPLICA_ERROR = "replica_error"  # the replica answered with an error status, relayed
     REJECTED = "rejected"  # refused by the router before anything was sent (4xx, 429, 503)
+    SHUTDOWN_CUT = "shutdown_cut"  # still streaming at the shutdown's grace deadline
 
 
 class ScopeHooks(Protocol):

@@ -59,6 +59,9 @@ def run_cmd(
         str | None, typer.Option(help="Kubernetes API URL ('' = in-cluster).")
     ] = None,
     listen_port: Annotated[int | None, typer.Option(help="Port of /metrics and /keda.")] = None,
+    drain_timeout_s: Annotated[
+        float | None, typer.Option(help="Longest wait for scale-down victims to drain.")
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Scrape the routers every tick, decide with the policy, actuate through MODE.
@@ -69,7 +72,7 @@ def run_cmd(
         "mode": mode, "namespace": namespace, "deployment": deployment,
         "statefulset": statefulset, "policy": policy, "model": model, "tick_s": tick_s,
         "load_time_s": load_time_s, "min_replicas": min_replicas, "max_replicas": max_replicas,
-        "listen_port": listen_port, "api_url": api_url,
+        "listen_port": listen_port, "api_url": api_url, "drain_timeout_s": drain_timeout_s,
     }  # fmt: skip
     explicit = {k: v for k, v in given.items() if v is not None}
     if routers is not None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -14,6 +15,9 @@ from rich.panel import Panel
 from rich.text import Text
 
 from controlplane.cli import app
+
+if TYPE_CHECKING:
+    from deploy.local_stack import LocalStack
 
 err = Console(stderr=True)
 
@@ -120,13 +124,33 @@ def up_cmd(
     ] = False,
     speed: Annotated[float, typer.Option(help="Simulated time speed-up.")] = 1.0,
 ) -> None:
-    """A private Redis, simulated vLLM replicas and the router in front; Ctrl-C stops all."""
+    """A private Redis, simulated vLLM replicas and the router in front; Ctrl-C or SIGTERM stops
+    all (the router first drains: router/http/shutdown.py)."""
     from deploy.local_stack import LocalStack
 
+    # SIGTERM/SIGHUP before the router serves (or after it): stop everything as Ctrl-C does;
+    # while it serves, the router's own handler drains it and `_run_router` returns
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     stack = LocalStack(replicas=replicas, redis=not no_redis, speed=speed, log=_progress)
     _progress(f"starting {'a private Redis and ' if not no_redis else ''}{replicas} replicas")
+    try:
+        _up(stack, host, port, policy)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _up(stack: LocalStack, host: str, port: int, policy: str) -> None:
     with stack:
-        settings = stack.router_settings(host=host, port=port, policy={"name": policy})
+        # no load balancer to drain from on one machine: a signal stops accepting at once,
+        # requests in flight still finish (shutdown.grace_s)
+        settings = stack.router_settings(
+            host=host, port=port, policy={"name": policy}, shutdown={"drain_s": 0.0}
+        )
         index = f"Redis at {stack.redis_url}" if stack.redis_url else "the in-memory index"
         _progress(f"replicas ready; prefix index: {index}")
         text = SNIPPET.format(host=host, port=port, model=settings.served_model)
@@ -136,6 +160,11 @@ def up_cmd(
                 title=f"router on http://{host}:{port} ({policy}); Ctrl-C stops everything",
             )
         )
-        with contextlib.suppress(KeyboardInterrupt):
-            _run_router(settings)
-        _progress("stopping")
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                _run_router(settings)
+            _progress("stopping")
+        finally:
+            # a second signal while the stack stops must not leave processes behind
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)

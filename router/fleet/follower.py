@@ -5,7 +5,8 @@
     follower.start()             # then on every registry change, and every resync_s anyway
 
 Each sync: read the records; reconcile (a member this router lacks joins, a DRAINING one drains
-here, a member reported again resumes, a GONE one or one at a new URL leaves); publish what this
+here, a member reported again resumes if this follower drained it, a GONE one or one at a new
+URL leaves); publish what this
 router sees (phase, ejected, in-flight per replica) with the version it has applied; let the
 registry settle finished drains, and reconcile again if that changed anything. A failed read
 keeps the last fleet: the follower reports degraded and retries at the next resync. A replica
@@ -74,6 +75,7 @@ class RegistryFollower:
         self._task: asyncio.Task[None] | None = None
         self._closing = False
         self._lock = asyncio.Lock()
+        self._drained: set[str] = set()  # the replicas this follower drained
 
     async def sync(self) -> bool:
         """One round; False when the registry could not be reached (the fleet is kept)."""
@@ -110,6 +112,7 @@ class RegistryFollower:
                 rec is not None and (i not in want or rec.url.rstrip("/") != url.rstrip("/"))
             ):
                 await self.ops.leave(i)
+                self._drained.discard(i)
         have = self.ops.members()
         for i, rec in want.items():
             if i not in have:
@@ -117,8 +120,10 @@ class RegistryFollower:
                     await self._join(rec)
             elif rec.state is Lifecycle.DRAINING and not have[i][1]:
                 self.ops.drain(i)
-            elif rec.state is Lifecycle.LOADING and have[i][1]:
-                self.ops.resume(i)
+                self._drained.add(i)
+            elif rec.state is Lifecycle.LOADING and have[i][1] and i in self._drained:
+                self.ops.resume(i)  # only a drain the registry made is undone by it
+                self._drained.discard(i)
         self.version = snap.version if not behind else self.version
 
     async def _join(self, rec: Record) -> None:

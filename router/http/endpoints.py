@@ -113,6 +113,10 @@ async def health() -> dict[str, str]:
 @ops_routes.get("/ready")
 async def ready(request: Request) -> JSONResponse:
     rt = _rt(request)
+    if getattr(request.app.state, "draining", False):
+        # shutting down (router/http/shutdown.py): still serving, but take it out of rotation
+        draining = {"status": "draining", "reasons": ["shutting_down"]}
+        return JSONResponse(draining, status_code=503)
     reasons = rt.degraded_reasons()
     serving = rt.fleet.ready_count() > 0
     body = {

@@ -13,6 +13,8 @@ nothing, or a header a byte at a time, is held forever, and a header of any size
                     lines; beyond either: 431
     connections     a request head completed while more than `max_connections` connections are
                     open is answered 503 (the client may retry; open connections finish)
+    draining        while the server drains (`router/http/shutdown.py`) each response closes
+                    its connection (`connection: close`)
 
 One timer per connection (`loop.call_later`), armed when the connection opens and when a response
 completes (where uvicorn arms its keep-alive timer, which this replaces) and cancelled when a head
@@ -182,6 +184,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             self._refuse(TooManyConnectionsError(message))
             raise _Refused
         super().on_headers_complete()
+        if getattr(self.server_state, "draining", False) and self.cycle is not None:
+            self.cycle.keep_alive = False  # router/http/shutdown.py: `connection: close`
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

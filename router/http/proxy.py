@@ -6,6 +6,8 @@
                                                      another replica if the retry budget allows
       any other failure before the first chunk    -> 502/504 (the replica may have started it)
       a 4xx/5xx head                              -> relayed as is (the replica's own error)
+      the replica ejected (or DOWN) meanwhile     -> cancelled (the replica aborts it) and sent
+                                                     once to another replica, whatever the budget
     stream: chunks relayed as they come; a gap over `idle_s` or a broken connection ends the
             stream with an SSE error event and no `[DONE]`; never a retry after the first byte
     usage:  the router asks for the final usage chunk (`stream_options.include_usage`) and drops
@@ -23,11 +25,13 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from controlplane.errors import UpstreamError, UpstreamTimeoutError
 from router.fleet.health import FailureReason, SlowReason
 from router.fleet.live_fleet import LiveFleet
+from router.http.ejection import Ejected, EjectionGuard
 from router.http.h1 import ConnectFailed, Header, UpstreamBroken
 from router.http.upstream import UpstreamResponse
 
@@ -93,10 +97,19 @@ class Upstream:
             await self.response.aclose()
 
 
-class NotAccepted(Exception):
-    """The replica never accepted the request (safe to send it elsewhere)."""
+class RetryReason(StrEnum):
+    """Why a request was sent to another replica (label of cp_retries_total)."""
 
-    def __init__(self, kind: str) -> None:
+    CONNECT = "connect"  # the connection was refused or timed out
+    UNAVAILABLE = "503"  # the replica answered 503 (busy, loading)
+    EJECTED = "ejected"  # the replica was ejected (or went DOWN) before its first byte
+
+
+class NotAccepted(Exception):
+    """The replica never accepted the request, or was ejected before it answered anything
+    (safe to send it elsewhere: the client has seen nothing)."""
+
+    def __init__(self, kind: RetryReason) -> None:
         super().__init__(kind)
         self.kind = kind
 
@@ -107,12 +120,24 @@ class Proxy:
         self.ttft_s = ttft_s
         self.idle_s = idle_s
         self.budget = RetryBudget(retry_budget)
+        self.ejections = EjectionGuard()
+        fleet.on_eject(self.ejections.on_eject)
 
     async def open(
         self, replica_id: str, path: str, payload: bytes, headers: Sequence[Header]
     ) -> Upstream:
         """Send and wait for the first chunk. Raises NotAccepted, UpstreamError, or returns an
-        error response as an `Upstream` whose status is >= 400 (body read whole)."""
+        error response as an `Upstream` whose status is >= 400 (body read whole). The replica's
+        ejection during the wait cancels it: NotAccepted(EJECTED) (router/http/ejection.py)."""
+        try:
+            async with self.ejections.watch(replica_id):
+                return await self._open(replica_id, path, payload, headers)
+        except Ejected:
+            raise NotAccepted(RetryReason.EJECTED) from None
+
+    async def _open(
+        self, replica_id: str, path: str, payload: bytes, headers: Sequence[Header]
+    ) -> Upstream:
         rep = self.fleet.get(replica_id)
         deadline = time.monotonic() + self.ttft_s
         try:
@@ -120,7 +145,7 @@ class Proxy:
                 resp = await rep.upstream.request(b"POST", path, headers, payload)
         except ConnectFailed as exc:
             self.fleet.record_failure(replica_id, FailureReason.CONNECT)
-            raise NotAccepted("connect") from exc
+            raise NotAccepted(RetryReason.CONNECT) from exc
         except TimeoutError:
             self.fleet.record_slow(replica_id, SlowReason.TTFT)
             raise UpstreamTimeoutError(f"replica {replica_id} sent no response in time") from None
@@ -131,7 +156,7 @@ class Proxy:
         if status == 503:
             await resp.aclose()
             self.fleet.record_failure(replica_id, FailureReason.STATUS_5XX)
-            raise NotAccepted("503")
+            raise NotAccepted(RetryReason.UNAVAILABLE)
         if status >= 400:
             try:
                 async with asyncio.timeout(max(0.1, deadline - time.monotonic())):

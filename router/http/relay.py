@@ -3,8 +3,12 @@
     build + quota + route               4xx / 503 before anything is reserved or sent; the quota
                                         holds prompt + max_tokens (429/503 when it cannot)
     open (cancellable)                  the first chunk, with at most one transparent retry
+                                        (refused, 503, or the replica ejected before its first
+                                        byte: router/http/ejection.py)
     relay                               streamed: the replica's bytes as they come (SSEFilter
-                                        reads usage, [DONE] and counts events); else whole
+                                        reads usage, [DONE] and counts events); else whole; a
+                                        stream cut by the shutdown's grace deadline ends with an
+                                        SSE error event (503 `shutting_down`)
     close                               the request's scope ends exactly once, in every path
                                         (router/scope.py: quota settled, fair-queue slot freed,
                                         routing books released, demand and telemetry told),
@@ -25,6 +29,8 @@ closed, which makes vLLM abort the request.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -52,7 +58,7 @@ from router.http.h1 import Header
 from router.http.lean import OpenAIRequest
 from router.http.openai_api import error_of, sse_error_event
 from router.http.prompts import check_prompt_count, quota_prompt_tokens, sequences
-from router.http.proxy import NotAccepted, SSEFilter, Upstream, Usage
+from router.http.proxy import NotAccepted, RetryReason, SSEFilter, Upstream, Usage
 from router.http.splice import set_members, set_nested
 from router.http.watch import ClientGone, ClientWatch
 from router.runtime import RouterRuntime
@@ -71,6 +77,7 @@ log = logging.getLogger("controlplane.router")
 _RID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _JSON = b"application/json"
 _SSE = b"text/event-stream; charset=utf-8"
+_CUT_MESSAGE = "the router shut down before the stream ended; retry the request"
 
 
 def request_id_of(headers: Mapping[str, str]) -> str:
@@ -146,6 +153,7 @@ class Exchange:
         self.sse = SSEFilter(keep_usage)
         self.up: Upstream | None = None
         self.failed = False
+        self.cut = False  # ended by the shutdown's grace deadline
 
     @property
     def routed(self) -> Routed:
@@ -163,14 +171,21 @@ class Exchange:
                 up = await proxy.open(routed.replica_id, path, payload, headers)
             except NotAccepted as exc:
                 scope.reached = False
-                refused = f"replica {routed.replica_id} refused the request ({exc.kind})"
-                if len(routed.tried) > 1 or not proxy.budget.available():
+                # an ejection's retry does not wait for the budget: it is the fleet's own call
+                # and the client has seen nothing; still once per request
+                ejected = exc.kind is RetryReason.EJECTED
+                refused = (
+                    f"replica {routed.replica_id} was ejected before it answered"
+                    if ejected
+                    else f"replica {routed.replica_id} refused the request ({exc.kind})"
+                )
+                if len(routed.tried) > 1 or not (ejected or proxy.budget.available()):
                     raise _refusal(exc.kind, refused) from None
                 if await core.reroute(routed) is None:
                     raise _refusal(exc.kind, f"{refused}; no other replica to retry on") from None
                 if scope.ticket is not None:
                     rt.fairq.place(scope.ticket, routed.replica_id, rt.profile_of(routed))
-                proxy.budget.spend()
+                proxy.budget.spend()  # an ejection's retry spends a token when there is one
                 rt.metrics.retries.labels(exc.kind).inc()
                 continue
             self.up = up
@@ -208,6 +223,16 @@ class Exchange:
                 except UpstreamError as exc:
                     self.failed = True
                     out = sse_error_event(502, str(exc), "upstream_died")
+                except asyncio.CancelledError:
+                    if watch.gone:
+                        raise  # the client left: the section turns this into ClientGone
+                    # the shutdown's grace deadline (router/http/shutdown.py): end the stream
+                    # with an error event the client can read, then let the cancellation go on
+                    self.cut = True
+                    last = sse_error_event(503, _CUT_MESSAGE, "shutting_down")
+                    with contextlib.suppress(Exception):
+                        await send({"type": "http.response.body", "body": last, "more_body": False})
+                    raise
                 else:
                     out = out if self.failed else b""
                 await send({"type": "http.response.body", "body": out, "more_body": False})
@@ -215,7 +240,9 @@ class Exchange:
             pass
         finally:
             # a client that closes as soon as it has `[DONE]` (the OpenAI SDK) was served
-            if self.failed:
+            if self.cut:
+                outcome, status = Outcome.SHUTDOWN_CUT, "shutdown_cut"
+            elif self.failed:
                 outcome, status = Outcome.UPSTREAM_DIED, "upstream_died"
             elif sse.done:
                 outcome, status = Outcome.COMPLETED, "200"
@@ -235,9 +262,10 @@ class Exchange:
             await self.up.aclose()
 
 
-def _refusal(kind: str, message: str) -> Exception:
+def _refusal(kind: RetryReason, message: str) -> Exception:
     """Every replica tried refused: 503 when they were busy (their own 503), else 502."""
-    return NoReadyReplicaError(message) if kind == "503" else UpstreamError(message)
+    busy = kind is RetryReason.UNAVAILABLE
+    return NoReadyReplicaError(message) if busy else UpstreamError(message)
 
 
 async def serve_request(

@@ -12,6 +12,9 @@ keep-alive, head size and header count, connection cap). uvicorn's WebSocket sup
 The sockets are bound before the app starts, so a port conflict fails at once, and a port of 0
 is known (and can be printed) before the first request.
 
+SIGTERM/SIGINT: a drain window, then a grace deadline for in-flight requests, then exit 0
+(`router/http/shutdown.py`, settings `shutdown.*`).
+
 With `telemetry.metrics_port`, a second socket serves `/metrics` alone from the same process and
 app (`router/http/listeners.py`), and the main port answers 404 for it.
 """
@@ -28,6 +31,7 @@ from starlette.types import ASGIApp
 from router.config import RouterSettings
 from router.http.listeners import MetricsListenerSplit
 from router.http.protocol import guarded_protocol
+from router.http.shutdown import DrainingServer
 
 log = logging.getLogger("controlplane.router")
 
@@ -80,14 +84,23 @@ class RouterHttpServer:
             log_config=None,
             access_log=False,
             timeout_keep_alive=max(1, round(limits.keepalive_timeout_s)),
-            timeout_graceful_shutdown=5,
         )
-        self.server = uvicorn.Server(self.config)
+        self.server = DrainingServer(
+            self.config, settings.shutdown, on_drain=self._drain, on_cut=self._cut
+        )
 
     @property
     def ports(self) -> dict[str, int]:
         names = ("main", "metrics")
         return {n: int(s.getsockname()[1]) for n, s in zip(names, self.sockets, strict=False)}
+
+    def _drain(self) -> None:
+        self.app.state.draining = True  # /ready: 503 (router/http/endpoints.py)
+
+    def _cut(self, n: int) -> None:
+        runtime = getattr(self.app.state, "runtime", None)
+        if runtime is not None:
+            runtime.metrics.shutdown_cut.inc(n)
 
     def _started(self) -> None:
         ports = self.ports
@@ -105,7 +118,7 @@ class RouterHttpServer:
             self.close()
 
     def run(self) -> None:
-        """Serve in a new event loop until a signal stops it."""
+        """Serve in a new event loop until a signal stops it (and its drain and grace end)."""
         self._started()
         try:
             self.server.run(sockets=self.sockets)

@@ -5,8 +5,11 @@
     GET  /health                                  alive
     GET  /ready                                   200 ready | 200 degraded (Redis down: load-based
                                                   routing) | 503 degraded (no ready replica)
+                                                  | 503 draining (shutting down)
     GET  /metrics                                 Prometheus (cp_*)
     /admin/replicas[...]                          list, add, drain, remove (admin key)
+    GET  /admin/status, /status                   the fleet's status: JSON and its web page
+                                                  (router/http/status_routes.py: access rule)
 
 One request: `RouterCore.build` (validate, tokenize, hash) -> `RouterCore.route` (decide, reserve,
 speculate) -> `Proxy.open` (first chunk; one transparent retry if the replica never accepted it)
@@ -32,6 +35,7 @@ from router.http.endpoints import admin_routes, openai_routes, ops_routes
 from router.http.hot import FastLane
 from router.http.limits import BodyLimitMiddleware
 from router.http.openai_api import error_body, error_of, validation_message
+from router.http.status_routes import status_routes
 from router.runtime import RouterRuntime
 
 log = logging.getLogger("controlplane.router")
@@ -60,6 +64,7 @@ def create_app(settings: RouterSettings, runtime: RouterRuntime | None = None) -
     app.include_router(openai_routes)
     app.include_router(ops_routes)
     app.include_router(admin_routes)
+    app.include_router(status_routes)
     # the hot endpoints' fast lane (router/http/hot.py), inside the body limit
     app.add_middleware(FastLane)
     app.add_middleware(

@@ -113,8 +113,10 @@ def run_workers(settings: RouterSettings, n: int, serve: Serve) -> int:
         while all(p.is_alive() for p in procs) and not stopping:
             time.sleep(0.2)
         stop(signal.SIGTERM, None)
+        # each worker drains and lets its in-flight requests finish (router/http/shutdown.py)
+        wait_s = settings.shutdown.drain_s + settings.shutdown.grace_s + 5.0
         for p in procs:
-            p.join(10.0)
+            p.join(wait_s)
             if p.is_alive():
                 p.kill()
                 p.join()

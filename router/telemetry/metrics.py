@@ -30,7 +30,8 @@ ingestor's cumulative stats by `sync_kv_events`, which adds the increase since t
 treats a decrease as a restarted source), `cp_upstream_errors_total{replica,kind}`,
 `cp_ejections_total{replica,reason}`.
 
-Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_inflight_requests`.
+Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_inflight_requests`,
+`cp_shutdown_cut_requests_total`.
 
 Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`.
 
@@ -168,6 +169,11 @@ class RouterMetrics:
         )
         self.client_disconnects = Counter(
             "cp_client_disconnects_total", "Clients that went away mid-request.", registry=r
+        )
+        self.shutdown_cut = Counter(
+            "cp_shutdown_cut_requests_total",
+            "Requests still running when the shutdown grace deadline cut them.",
+            registry=r,
         )
         self.inflight = Gauge("cp_inflight_requests", "Requests in the router now.", registry=r)
         # tenancy: the fair queue

@@ -77,7 +77,16 @@ class FakeKube:
         if path == f"{base}/scale" and method == "GET":
             return 200, scale
         if path == base and method == "GET":
-            return 200, {"status": {"replicas": self.spec, "readyReplicas": self.ready}}
+            return 200, {
+                "spec": {"selector": {"matchLabels": {"app": NAME}}},
+                "status": {"replicas": self.spec, "readyReplicas": self.ready},
+            }
+        pods = f"/api/v1/namespaces/{NS}/pods"
+        if path == f"{pods}?labelSelector=app%3D{NAME}" and method == "GET":
+            items = [{"metadata": {"name": f"{NAME}-{i}"}} for i in range(self.spec)]
+            return 200, {"kind": "PodList", "items": items}
+        if path.startswith(f"{pods}/") and method == "PATCH":
+            return 200, {"metadata": {"name": path.rsplit("/", 1)[1]}}
         if path == f"{base}/scale" and method == "PATCH":
             patch = json.loads(body)
             if self.conflict_once or patch["metadata"]["resourceVersion"] != str(self.rv):

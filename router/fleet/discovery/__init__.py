@@ -1,2 +1,2 @@
-"""Membership sources that discover replicas (DNS, Kubernetes): each reports to a
-`router.fleet.membership.MembershipSink`."""
+"""Membership sources that find replicas on their own (DNS, Kubernetes) and report them to the
+fleet registry through `router.fleet.membership.MembershipSink`."""

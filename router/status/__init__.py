@@ -1,0 +1,1 @@
+"""The fleet status: its model (pure), what the router remembers for it, the web page."""
