@@ -33,6 +33,7 @@ from pydantic_settings import (
 from controlplane.errors import ConfigError, ReplicaRefusedError
 from controlplane.routing.config import PolicyConfig, Section
 from controlplane.tenancy.config import FairnessConfig
+from router.fleet.discovery.kubernetes import KubernetesDiscoveryConfig
 from router.fleet.urls import DEFAULT_ALLOWED_NETWORKS, ReplicaGuard, Resolver, check_replica_id
 
 CONFIG_FILE_ENV = "CP_CONFIG_FILE"
@@ -146,6 +147,11 @@ class FleetConfig(Section):
     )
     dns_gpu: str | None = Field(
         default=None, description="GPU key (roofline) of DNS replicas; None: the default."
+    )
+    kubernetes: KubernetesDiscoveryConfig | None = Field(
+        default=None,
+        description="Pods matching a label selector are replicas (list + watch, "
+        "router/fleet/discovery/kubernetes.py); None: no Kubernetes discovery.",
     )
 
     @model_validator(mode="after")

@@ -105,7 +105,9 @@ class RouterRuntime:
             resync_s=settings.fleet.resync_s,
         )
         self.static = static_source(settings, self.registry)
-        self.sources: list[Source] = membership_sources(settings, self.registry, resolve=resolve)
+        self.sources: list[Source] = membership_sources(
+            settings, self.registry, resolve=resolve, metrics=self.metrics.registry
+        )
         if self.static is not None:
             self.sources.insert(0, self.static)
         self.index: RouterIndex = open_index(settings.redis)

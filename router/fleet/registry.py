@@ -133,8 +133,10 @@ class FleetRegistry:
         )
 
     async def set_members(self, source: str, members: Sequence[Member]) -> None:
-        """Replace `source`'s view with `members` (the refused ones are skipped)."""
-        ok = await self._checked(source, members)
+        """Replace `source`'s view with `members` (the refused ones are skipped). A member
+        the source says is not ready (a pod not Ready, or terminating) counts as not reported:
+        it does not join, and a member that was drains unless another source reports it."""
+        ok = await self._checked(source, [m for m in members if m.ready])
         refused: list[tuple[Member, Refusal]] = []
 
         def decide(records: Mapping[str, Record], version: int) -> Mapping[str, Record]:

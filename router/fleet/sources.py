@@ -23,6 +23,8 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from prometheus_client import CollectorRegistry
+
 from router.config import ReplicaConfig, RouterSettings
 from router.fleet.membership import Member, MembershipSink
 from router.fleet.registry import Backend, FleetRegistry, RegistryMetrics
@@ -115,11 +117,17 @@ def static_source(settings: RouterSettings, sink: MembershipSink) -> PollingSour
 
 
 def membership_sources(
-    settings: RouterSettings, sink: MembershipSink, *, resolve: Resolver | None = None
+    settings: RouterSettings,
+    sink: MembershipSink,
+    *,
+    resolve: Resolver | None = None,
+    metrics: CollectorRegistry | None = None,
 ) -> list[Source]:
     """Every source `settings` asks for but the static one (`static_source`, which the router
-    reports once before its first sync). `resolve`: host name -> addresses (tests)."""
+    reports once before its first sync): DNS, Kubernetes. `resolve`: host name -> addresses
+    (tests); `metrics`: where sources register their metrics (the router's registry)."""
     from router.fleet.discovery.dns import dns_source
+    from router.fleet.discovery.kubernetes import KubernetesDiscovery
 
     f = settings.fleet
     sources: list[Source] = []
@@ -136,7 +144,8 @@ def membership_sources(
                 resolve=resolve or system_resolve,
             )
         )
-    # Kubernetes (router/fleet/discovery/kubernetes.py) plugs in here, one more append
+    if f.kubernetes is not None:
+        sources.append(KubernetesDiscovery(f.kubernetes, sink, registry=metrics))
     return sources
 
 

@@ -404,3 +404,13 @@ def test_followers_converge_whatever_the_order(
             assert rid in want
 
     asyncio.run(run())
+
+
+async def test_a_member_its_source_says_is_not_ready_is_not_reported() -> None:
+    reg = make_registry()
+    await reg.set_members("kubernetes", [mem("r1"), Member("r2", URL.format(2), ready=False)])
+    assert set((await reg.load()).records) == {"r1"}  # a pod not Ready yet does not join
+    await reg.set_members("kubernetes", [Member("r1", URL.format(1), ready=False), mem("r2")])
+    records = (await reg.load()).records
+    assert records["r1"].state is D and records["r1"].drain_reason is DrainReason.UNREPORTED
+    assert records["r2"].state is L

@@ -109,3 +109,22 @@ def test_shared_fleet_needs_redis_and_ttl_exceeds_resync() -> None:
         load_settings(fleet={"shared": True})
     with pytest.raises(ConfigError, match="heartbeat_ttl_s must exceed"):
         load_settings(fleet={"resync_s": 5, "heartbeat_ttl_s": 5})
+
+
+async def test_kubernetes_discovery_plugs_in_from_the_settings() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from router.fleet.discovery.kubernetes import KubernetesDiscovery
+
+    k8s = {"label_selector": "app=vllm", "namespace": "serving", "api_url": "http://127.0.0.1:9"}
+    settings = load_settings(fleet={"kubernetes": k8s})
+    metrics = CollectorRegistry()
+    sources = membership_sources(settings, registry(), metrics=metrics)
+    try:
+        assert len(sources) == 1 and isinstance(sources[0], KubernetesDiscovery)
+        assert sources[0].cfg.label_selector == "app=vllm"
+        # its metrics are exported with the router's
+        assert "cp_discovery_kubernetes_events" in {m.name for m in metrics.collect()}
+    finally:
+        for s in sources:
+            await s.aclose()
