@@ -7,12 +7,14 @@ the registry version, `{p}:routers` a hash router id -> its last observation JSO
 Algorithm: an update WATCHes the version and the records, reads them, lets the decision run,
 then writes the changed records, the next version and the notification in one MULTI/EXEC (a
 concurrent writer makes it retry). A follower waits on the channel with a timeout, so a lost
-notification only delays it until its periodic re-read. Every Redis failure surfaces as a
+notification only delays it until its periodic re-read. One coroutine reads the channel at a
+time; others waiting meanwhile are woken when it returns. Every Redis failure surfaces as a
 `StoreUnavailableError`: the follower keeps its last fleet and reports degraded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Callable
@@ -52,6 +54,8 @@ class RedisBackend:
             client_name="cp-fleet-registry",
         )
         self._pubsub: Any = None
+        self._reader = asyncio.Lock()
+        self._woken = asyncio.Condition()
 
     async def _call(self, what: str, fn: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -110,14 +114,24 @@ class RedisBackend:
         await self._call("observe", write)
 
     async def wait_change(self, version: int, timeout_s: float) -> None:
+        # one coroutine reads the channel at a time (a connection has one reader); the others
+        # (an admin call waiting for a drain) wait for that reader to wake them
         async def wait() -> None:
-            if self._pubsub is None:
-                self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                await self._pubsub.subscribe(self.channel)
             current = int(await self.client.get(self.version_key) or 0)
             if current != version:
                 return
-            await self._pubsub.get_message(timeout=timeout_s)
+            if self._reader.locked():
+                async with self._woken:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._woken.wait(), timeout_s)
+                return
+            async with self._reader:
+                if self._pubsub is None:
+                    self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                    await self._pubsub.subscribe(self.channel)
+                await self._pubsub.get_message(timeout=timeout_s)
+            async with self._woken:
+                self._woken.notify_all()
 
         try:
             await self._call("wait", wait)

@@ -146,7 +146,7 @@ def test_drain_through_one_router_lets_the_other_routers_stream_finish(
     entries = [replica_entry("r0", s0), replica_entry("r1", s1)]
     with (
         RouterServer(shared(model_dir, redis_server.url, entries)) as a,
-        RouterServer(shared(model_dir, redis_server.url, [])) as b,
+        RouterServer(shared(model_dir, redis_server.url, [], delete_wait_s=0.2)) as b,
     ):
         a.wait_ready(2)
         b.wait_ready(2)
@@ -193,6 +193,10 @@ def test_drain_through_one_router_lets_the_other_routers_stream_finish(
             wait_until(lambda: applied_by_all(b, victim), 20, "both routers to apply the drain")
             assert record_state(b, victim) is Lifecycle.DRAINING
             assert victim in ids(a) and victim in ids(b)
+            # DELETE cannot finish it while the stream runs: 202, still draining
+            r = httpx.delete(f"{b.url}/admin/replicas/{victim}", headers=AUTH)
+            assert r.status_code == 202 and r.json() == {"draining": victim}
+            assert record_state(b, victim) is Lifecycle.DRAINING
             sim.set_faults(stall=False)  # the engine resumes: the stream finishes normally
 
         victim, finish = asyncio.run(drain_during_stream())

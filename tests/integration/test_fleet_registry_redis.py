@@ -59,3 +59,18 @@ async def test_concurrent_sources_all_land_and_followers_wake(
     async with asyncio.timeout(10):  # the server sees every connection close
         while clients(redis_admin):
             await asyncio.sleep(0.02)
+
+
+async def test_several_waiters_on_one_backend_all_wake(redis_server: RedisServer) -> None:
+    """A router's follower and an admin call waiting for a drain share one backend: both wake
+    on one update, and neither trips over the other reading the channel."""
+    follower, writer = registry(redis_server.url), registry(redis_server.url)
+    try:
+        version = (await follower.load()).version
+        waits = [asyncio.create_task(follower.backend.wait_change(version, 30.0)) for _ in range(3)]
+        await writer.set_members("static", [Member("r1", "http://10.0.0.1:8000")])
+        done, pending = await asyncio.wait(waits, timeout=30.0)
+        assert not pending and all(t.exception() is None for t in done)
+    finally:
+        await follower.aclose()
+        await writer.aclose()
