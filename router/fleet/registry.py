@@ -69,7 +69,7 @@ class RegistryMetrics:
         )
         self.updates = Counter(
             "cp_fleet_registry_updates_total",
-            "Registry updates by source.",
+            "Registry changes by source (or drain, settle).",
             ["source"],
             registry=registry,
         )
@@ -260,12 +260,21 @@ class FleetRegistry:
             self.metrics.replicas.labels(str(state)).set(n)
 
     async def _update(self, source: str, decide: Decide) -> Snapshot:
+        changed = False
+
+        def counted(records: Mapping[str, Record], version: int) -> Mapping[str, Record]:
+            nonlocal changed
+            out = decide(records, version)
+            changed = bool(out)  # the last attempt's (a Redis conflict retries)
+            return out
+
         try:
-            snap = await self.backend.update(decide)
+            snap = await self.backend.update(counted)
         except Exception:
             self.metrics.errors.labels("update").inc()
             raise
-        self.metrics.updates.labels(source).inc()
+        if changed:  # updates that changed the registry, by who made them
+            self.metrics.updates.labels(source).inc()
         self._count(snap)
         return snap
 

@@ -414,3 +414,12 @@ async def test_a_member_its_source_says_is_not_ready_is_not_reported() -> None:
     records = (await reg.load()).records
     assert records["r1"].state is D and records["r1"].drain_reason is DrainReason.UNREPORTED
     assert records["r2"].state is L
+
+
+async def test_updates_are_counted_only_when_they_change_the_registry() -> None:
+    reg = make_registry()
+    await reg.set_members("static", [mem("r1")])
+    await reg.set_members("static", [mem("r1")])  # the same view again: no change
+    await reg.settle()  # nothing to settle
+    assert reg.metrics.updates.labels("static")._value.get() == 1
+    assert reg.metrics.updates.labels("settle")._value.get() == 0
