@@ -14,6 +14,12 @@ block count of the config, else of `vllm:cache_config_info` (else the roofline's
 configured value the replica contradicts is kept (the config wins) and reported in `status()`.
 `state()` reuses its last `ReplicaState` while nothing in it changed, so memoized load estimates
 survive between snapshots.
+
+Self-description (`controlplane.replica_info`): `info` is what the replica said about itself at
+join (served models and their `max_model_len`, cache layout, version), read again after every
+restart. A replica that cannot describe itself (no `/v1/models`) is routed as configured:
+`describe_error` says why, and `described(default_model)` stands in with what the scrape shows
+and the router's configured `served_model`. `drift` is set by the fleet (`router.fleet.groups`).
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import math
 
 import httpx
 
+from controlplane.drift import DriftField
 from controlplane.errors import ConfigError
 from controlplane.metrics_scrape import ScrapedMetrics
+from controlplane.replica_info import ReplicaInfo, ServedModel
 from controlplane.roofline.profile import EngineProfile, profile
 from controlplane.types import EngineMetrics, Ledger, Phase, ReplicaState
 from router.config import ReplicaConfig
@@ -94,6 +102,12 @@ class LiveReplica:
         self.num_gpu_blocks: int | None = config.num_gpu_blocks
         self.reported: tuple[int | None, int | None] = (None, None)
         self.model_names: tuple[str, ...] = ()
+        # what the replica said about itself (None: not yet, or it cannot), and its drift
+        self.info: ReplicaInfo | None = None
+        self.describe_error: str | None = None
+        self.next_describe_s = -math.inf
+        self.drift: tuple[DriftField, ...] = ()
+        self.cache_flags: tuple[bool | None, str | None] = (None, None)
         self.draining = False
         self.removed = False
         # a good scrape since the replica came up (or came back), and admitted to READY
@@ -137,8 +151,29 @@ class LiveReplica:
         (scrapes started before `now` are stale)."""
         self.ready = self.scraped = False
         self.restart_baseline = None
+        self.forget_description()
         self.scrape_applied_s = now
         self.next_scrape_s = now
+
+    def forget_description(self) -> None:
+        """A new process may be a new configuration (an upgrade): ask it again."""
+        self.info = None
+        self.describe_error = None
+        self.next_describe_s = -math.inf
+
+    def described(self, default_model: str) -> ReplicaInfo:
+        """Its description, or, while it has none, what its scrape shows under `default_model`
+        (the router's configured served model)."""
+        if self.info is not None:
+            return self.info
+        return ReplicaInfo(
+            url=self.url,
+            models=(ServedModel(default_model, None),),
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            enable_prefix_caching=self.cache_flags[0],
+            prefix_caching_hash_algo=self.cache_flags[1],
+        )
 
     def take_scrape(self, scraped: ScrapedMetrics, marker: float | None) -> str | None:
         """Take one scrape's values; returns why it shows a restart, or None."""
@@ -162,6 +197,7 @@ class LiveReplica:
         if cache is None:
             return
         self.reported = (cache.block_size, cache.num_gpu_blocks)
+        self.cache_flags = (cache.enable_prefix_caching, cache.prefix_caching_hash_algo)
         block_size = self.config.block_size or cache.block_size
         blocks = self.config.num_gpu_blocks or cache.num_gpu_blocks
         if (block_size, blocks) == (self.block_size, self.num_gpu_blocks):
@@ -228,7 +264,10 @@ class LiveReplica:
             "block_size": self.block_size,
             "num_gpu_blocks": self.profile.num_gpu_blocks,
             "profile": self.profile.label,
-            "models": list(self.model_names),
+            "models": list(self.info.model_names if self.info else self.model_names),
+            "description": self.info.to_json() if self.info else None,
+            "description_error": self.describe_error,
+            "drift": [str(f) for f in self.drift],
             "last_error": self.profile_error or self.last_error,
             "warnings": warnings,
         }
