@@ -96,9 +96,11 @@ class InvalidHttpError(RequestError):
 
 
 class ModelNotFoundError(RequestError):
-    """The request names a model this router does not serve."""
+    """The request names a model this router does not serve (OpenAI's `model_not_found`)."""
 
     status_code = 404
+    openai_code = "model_not_found"
+    param = "model"
 
 
 class AuthError(RequestError):
