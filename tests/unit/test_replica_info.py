@@ -32,7 +32,9 @@ CACHE_INFO = (
 METRICS = f"# TYPE vllm:cache_config_info gauge\n{CACHE_INFO}\n"
 
 
-def card(name: str, root: str, max_model_len: Any = 1024, parent: str | None = None) -> dict:
+def card(
+    name: str, root: str, max_model_len: Any = 1024, parent: str | None = None
+) -> dict[str, Any]:
     return {
         "id": name,
         "object": "model",
@@ -152,7 +154,7 @@ def test_an_unreachable_replica_raises() -> None:
         ),
     ],
 )
-def test_model_cards(data: list[dict], expected: tuple[ServedModel, ...]) -> None:
+def test_model_cards(data: list[dict[str, Any]], expected: tuple[ServedModel, ...]) -> None:
     assert parse_models({"object": "list", "data": data}) == expected
 
 
