@@ -207,7 +207,8 @@ class RouterRuntime:
         for rep in self.fleet.replicas():
             m.set_engine_prefix(rep.replica_id, rep.prefix_hits, rep.prefix_queries)
         described = {r.replica_id: r.info is not None for r in self.fleet.replicas()}
-        m.sync_descriptions(self.fleet.groups.drift_of(), described)
+        sources = {r.replica_id: str(r.profile_source) for r in self.fleet.replicas()}
+        m.sync_descriptions(self.fleet.groups.drift_of(), described, sources)
         m.inflight.set(len(self.ledger))
         for follower in self.events.values():
             for row in follower.status():

@@ -120,7 +120,12 @@ class LiveFleet:
     def add(self, cfg: ReplicaConfig) -> LiveReplica:
         if cfg.id in self._replicas:
             raise ConfigError(f"replica {cfg.id!r} already exists")
-        r = LiveReplica(cfg, connect_s=self.settings.timeouts.connect_s, transport=self._transport)
+        r = LiveReplica(
+            cfg,
+            connect_s=self.settings.timeouts.connect_s,
+            transport=self._transport,
+            model_groups=tuple(self.settings.models),
+        )
         self._replicas[cfg.id] = r
         self._schedule.wake()
         return r
@@ -326,10 +331,16 @@ class LiveFleet:
             r.describe_error = str(exc)
             return
         if not r.removed:
-            r.info, r.describe_error = info, None
+            r.take_description(info)
             log.info(
                 "replica described",
-                extra={"replica": r.replica_id, "models": list(info.model_names)},
+                extra={
+                    "replica": r.replica_id,
+                    "models": list(info.model_names),
+                    "profile": r.profile.label,
+                    "profile_source": str(r.profile_source),
+                    "profile_error": r.profile_error,
+                },
             )
 
     def _update_ready(self, r: LiveReplica) -> None:

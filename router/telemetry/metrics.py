@@ -143,6 +143,14 @@ class RouterMetrics:
             ("replica",),
             registry=r,
         )
+        self.replica_profile_source = Gauge(
+            "cp_replica_profile_source",
+            "1 for where the replica's roofline profile came from: config_json (the model "
+            "group's config.json and GPU kind), replica_keys (its configured roofline keys) or "
+            "defaults (nothing configured: the profile is a guess).",
+            ("replica", "source"),
+            registry=r,
+        )
         self.outstanding_requests = Gauge(
             "cp_outstanding_requests", "Requests in flight per replica.", ("replica",), registry=r
         )
@@ -249,10 +257,17 @@ class RouterMetrics:
         self.engine_prefix_queries.labels(replica=replica).set(queries)
 
     def sync_descriptions(
-        self, drift: Mapping[str, Sequence[tuple[str, str]]], described: Mapping[str, bool]
+        self,
+        drift: Mapping[str, Sequence[tuple[str, str]]],
+        described: Mapping[str, bool],
+        profile_sources: Mapping[str, str],
     ) -> None:
-        """The drift gauge from the fleet's current verdict (replica -> (model, field)...), and
-        which replicas described themselves; stale series are dropped."""
+        """The drift gauge from the fleet's current verdict (replica -> (model, field)...),
+        which replicas described themselves and where their profiles came from; stale series
+        are dropped."""
+        self.replica_profile_source.clear()
+        for replica, source in profile_sources.items():
+            self.replica_profile_source.labels(replica=replica, source=source).set(1)
         self.replica_drift.clear()
         for replica, fields in drift.items():
             for model, field in fields:
