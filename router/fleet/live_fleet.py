@@ -330,6 +330,10 @@ class LiveFleet:
         except ReplicaDescriptionError as exc:
             r.describe_error = str(exc)
             return
+        except Exception as exc:  # a bug must not keep the replica from being admitted
+            log.exception("describing replica %s failed", r.replica_id)
+            r.describe_error = f"describing it failed: {exc!r}"
+            return
         if not r.removed:
             r.take_description(info)
             log.info(
