@@ -29,6 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
+from controlplane.replica_info import ReplicaInfo
 from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.books import Routed, RoutingBooks
 from controlplane.tenancy.model import Tenant
@@ -113,6 +114,7 @@ class RouterRuntime:
             RequestTelemetry(self.metrics),
         )
         self.fleet.on_restart(self._restarted)
+        self.fleet.on_described(self._described)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
 
@@ -135,6 +137,15 @@ class RouterRuntime:
         follower = EventIndexer([src], self.index.events_sink, secret=secret)
         follower.start()
         self.events[r.id] = follower
+
+    def _described(self, replica_id: str, info: ReplicaInfo) -> None:
+        """The replica's KV events are keyed by the model it says it serves (several models:
+        not necessarily `served_model`), as `RouterCore` keys the prompts routed to it."""
+        follower = self.events.get(replica_id)
+        ingestor = follower.ingestors.get(replica_id) if follower is not None else None
+        base = next((m.name for m in info.models if m.parent is None), None)
+        if ingestor is not None and base is not None:
+            ingestor.model = base
 
     def _restarted(self, replica_id: str) -> None:
         if replica_id in self.events:

@@ -61,7 +61,7 @@ import httpx
 
 from controlplane.errors import ConfigError, ReplicaDescriptionError, UnknownReplicaError
 from controlplane.metrics_scrape import MetricsScrapeError
-from controlplane.replica_info import describe_replica
+from controlplane.replica_info import ReplicaInfo, describe_replica
 from controlplane.routing.ledger import RouterLedger
 from controlplane.types import FleetSnapshot, Ledger, Phase
 from router.config import ReplicaConfig, RouterSettings
@@ -104,6 +104,7 @@ class LiveFleet:
         self._restart_cbs: list[Callable[[str], None]] = []
         self._eject_cbs: list[Callable[[str, EjectReason], None]] = []
         self._drift_cbs: list[Callable[[ModelGroups], None]] = []
+        self._described_cbs: list[Callable[[str, ReplicaInfo], None]] = []
         self.groups = ModelGroups()
         # telemetry: ejections by (replica, reason), restarts by replica, slow ejections refused
         # by the max_ejected_fraction cap by replica
@@ -165,6 +166,10 @@ class LiveFleet:
 
     def on_eject(self, callback: Callable[[str, EjectReason], None]) -> None:
         self._eject_cbs.append(callback)
+
+    def on_described(self, callback: Callable[[str, ReplicaInfo], None]) -> None:
+        """Called with (replica id, its description) each time a replica describes itself."""
+        self._described_cbs.append(callback)
 
     def on_drift(self, callback: Callable[[ModelGroups], None]) -> None:
         """Called with the new groups whenever a replica's drift changed."""
@@ -336,6 +341,8 @@ class LiveFleet:
             return
         if not r.removed:
             r.take_description(info)
+            for cb in self._described_cbs:
+                _call(cb, r.replica_id, info)
             log.info(
                 "replica described",
                 extra={

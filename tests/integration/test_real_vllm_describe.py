@@ -153,7 +153,9 @@ def test_router_reports_drift_keeps_it_routable_and_out_of_affinity(pair: Pair) 
         {"id": rid, "url": url, "gpu": "cpu", "model": "tiny-llama"}
         for rid, url in pair.urls.items()
     ]
-    settings = router_settings(pair.model_dir, replicas)
+    # the model group's roofline profile comes from the config.json at the root they report
+    models = [{"name": MODEL_NAME, "gpu": "cpu"}]
+    settings = router_settings(pair.model_dir, replicas, models=models)
     with RouterServer(settings) as router:
         router.wait_ready(2, timeout_s=60.0)
         rt = router.runtime
@@ -205,3 +207,6 @@ def test_router_reports_drift_keeps_it_routable_and_out_of_affinity(pair: Pair) 
         assert (by_id["a"]["drift"], by_id["b"]["drift"]) == ([], [str(DriftField.BLOCK_SIZE)])
         assert by_id["b"]["routable"] is True
         assert by_id["b"]["description"]["block_size"] == 64
+        assert {r["profile_source"] for r in rows} == {"config_json"}
+        text = scrape(router.url)
+        assert metric_value(text, "cp_replica_profile_source", source="config_json") == 2
