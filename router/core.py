@@ -97,6 +97,11 @@ def _tokenize_batch(tok: LocalTokenizer, prompts: list[str | list[int]]) -> tupl
     return first, sum(len(t) for t in rest)
 
 
+def _needed(req: RoutingRequest) -> int:
+    """The context a request needs, as vLLM counts it: prompt + max_tokens (or one token)."""
+    return req.prompt_tokens + (req.max_tokens or 1)
+
+
 class RouterCore:
     def __init__(
         self,
@@ -282,7 +287,7 @@ class RouterCore:
         them is still routable) and book it."""
         books = self.books
         arm = books.arm_for(req)
-        routable = self._group_routable(req.model)
+        routable = self._group_routable(req.model, _needed(req))
         if not routable:
             self.discard(prefetched)
             raise NoReadyReplicaError(
@@ -302,7 +307,7 @@ class RouterCore:
             # a drifted replica's blocks are not hashed as the group's: its match is a miss
             matches = {r: m for r, m in matches.items() if r not in group.affinity_excluded}
         snap = self.fleet.snapshot()
-        members = self._members(req.model)
+        members = self._members(req.model, _needed(req))
         if members is not None:
             snap = FleetSnapshot(
                 tuple(r for r in snap.replicas if r.replica_id in members), snap.now_s
@@ -321,15 +326,16 @@ class RouterCore:
         self._gauges(routed.replica_id)
         return routed
 
-    def _members(self, model: str) -> frozenset[str] | None:
-        """The replicas serving `model` (None: no groups yet, every replica)."""
+    def _members(self, model: str, tokens: int = 0) -> frozenset[str] | None:
+        """The replicas serving `model` whose context holds `tokens` (None: no groups yet,
+        every replica)."""
         group = self.fleet.groups.get(model)
         if group is not None:
-            return group.members
+            return group.fitting(tokens) if tokens else group.members
         return frozenset() if self.fleet.groups.groups else None
 
-    def _group_routable(self, model: str) -> list[str]:
-        members = self._members(model)
+    def _group_routable(self, model: str, tokens: int = 0) -> list[str]:
+        members = self._members(model, tokens)
         return [
             r.replica_id
             for r in self.fleet.snapshot().routable()
@@ -349,8 +355,8 @@ class RouterCore:
         """The upstream never accepted the request: move it to the best untried candidate."""
         old = routed.replica_id
         snap = self.fleet.snapshot()
-        members = self._members(routed.request.model)
-        if members is not None:  # never to a replica of another model
+        members = self._members(routed.request.model, _needed(routed.request))
+        if members is not None:  # never to a replica of another model (or a shorter context)
             snap = FleetSnapshot(
                 tuple(r for r in snap.replicas if r.replica_id in members), snap.now_s
             )

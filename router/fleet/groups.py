@@ -7,8 +7,10 @@
 A model's group is every replica whose description lists it. Its reference configuration is
 `controlplane.drift.find_drift`'s (the one most members share, ties to the smallest id); the
 group's block size and `max_model_len` are the reference's, so prompts are hashed and limited as
-the majority of its replicas would. A drifted member stays in the group (routable) and is
-listed in `affinity_excluded`: the router scores it as a prefix miss.
+the majority of its replicas would. A request goes only to members whose own context holds it
+(`fitting`): a drifted member with a shorter context never gets one it would refuse. A drifted
+member stays in the group (routable) and is listed in `affinity_excluded`: the router scores it
+as a prefix miss.
 
 `drift_changes` turns two successive verdicts into what changed: the fleet logs one line per
 replica whose drift changed and sets the `cp_replica_drift` gauge from the current verdict.
@@ -30,10 +32,18 @@ class ModelGroup:
     drift: GroupDrift
     block_size: int | None
     max_model_len: int | None
+    # each member's own max_model_len (a drifted member's may be smaller than the group's)
+    contexts: Mapping[str, int | None] = field(default_factory=dict)
 
     @property
     def affinity_excluded(self) -> frozenset[str]:
         return frozenset(self.drift.drifted)
+
+    def fitting(self, tokens: int) -> frozenset[str]:
+        """The members whose own context holds `tokens` (prompt + max_tokens); unknown: kept."""
+        return frozenset(
+            rid for rid in self.members if (self.contexts.get(rid) or tokens) >= tokens
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +80,14 @@ def model_groups(infos: Mapping[str, ReplicaInfo]) -> ModelGroups:
             drift=drift,
             block_size=ref[0] if ref and isinstance(ref[0], int) else None,
             max_model_len=ref[1] if ref and isinstance(ref[1], int) else None,
+            contexts={rid: _context(infos[rid], name) for rid in members},
         )
     return ModelGroups(groups)
+
+
+def _context(info: ReplicaInfo, model: str) -> int | None:
+    card = info.model(model)
+    return card.max_model_len if card is not None else None
 
 
 def drift_changes(

@@ -152,3 +152,14 @@ def test_model_groups_and_their_drift_changes() -> None:
     assert drift_changes(groups, worse) == [
         ("a", ((M, DriftField.VERSION),)),
     ]
+
+
+def test_a_request_goes_only_to_members_whose_context_holds_it() -> None:
+    fleet = {"a": info(ctx=1024), "b": info(ctx=1024), "c": info(ctx=512)}
+    fleet["u"] = ReplicaInfo(url="http://u", models=(ServedModel(M, None),), block_size=32)
+    group = model_groups(fleet).get(M)
+    assert group is not None and group.max_model_len == 1024
+    assert group.fitting(512) == {"a", "b", "c", "u"}
+    # the drifted member with the shorter context is left out; one that did not say is kept
+    assert group.fitting(513) == {"a", "b", "u"}
+    assert group.fitting(1025) == {"u"}
