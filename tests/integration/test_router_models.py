@@ -26,6 +26,7 @@ from sim_fleet import SimReplica
 
 from deploy.processes import group_alive
 from deploy.tiny_model import make_tiny_model
+from router.config import load_settings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -124,3 +125,20 @@ def test_context_limit_is_the_groups_as_its_replicas_report(
         error = resp.json()["error"]
         assert "maximum context length is 512 tokens" in error["message"]
     assert_router_idle(router)
+
+
+def test_remote_tokenization_asks_only_the_configured_models_replicas(
+    model_dir: Path, sims: dict[str, SimReplica]
+) -> None:
+    """tokenizer=remote: /tokenize goes to a replica serving `served_model`, never to one whose
+    /tokenize would refuse that name, so both models' requests are served."""
+    # the other model's replica first: the one a fleet-wide "first routable" would ask
+    entries = [replica_entry(rid, sims[rid]) for rid in ("o1", "m1", "m2")]
+    settings = load_settings(replicas=entries, tokenizer="remote", served_model=MAIN)
+    with RouterServer(settings) as server:
+        server.wait_ready(3)
+        with _client(server) as client:
+            for model in (MAIN, OTHER) * 3:
+                out = client.completions.create(model=model, prompt="tokenize me", max_tokens=2)
+                assert out.model == model
+        assert_router_idle(server)
