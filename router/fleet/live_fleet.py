@@ -106,6 +106,7 @@ class LiveFleet:
         self._drift_cbs: list[Callable[[ModelGroups], None]] = []
         self._described_cbs: list[Callable[[str, ReplicaInfo], None]] = []
         self.groups = ModelGroups()
+        self._grouped: dict[str, ReplicaInfo] = {}
         # telemetry: ejections by (replica, reason), restarts by replica, slow ejections refused
         # by the max_ejected_fraction cap by replica
         self.ejections: Counter[tuple[str, EjectReason]] = Counter()
@@ -371,6 +372,9 @@ class LiveFleet:
             for o in self._replicas.values()
             if o.phase in (Phase.READY, Phase.DRAINING)
         }
+        if infos == self._grouped:  # every scrape lands here: most change nothing
+            return
+        self._grouped = infos
         before, after = self.groups, model_groups(infos)
         self.groups = after
         changes = drift_changes(before, after)

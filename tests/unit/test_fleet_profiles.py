@@ -224,3 +224,25 @@ async def test_a_model_group_without_config_json_keeps_its_replica_loading() -> 
         assert "no config.json for model 'tiny-llama'" in str(row["last_error"])
     finally:
         await e.fleet.aclose()
+
+
+@pytest.mark.parametrize(
+    ("models", "message"),
+    [
+        ([{"name": "m", "gpu": "cpu"}, {"name": "m", "gpu": "h100"}], "must be unique"),
+        ([{"name": "m"}], "gpu"),  # the GPU kind is never guessed
+        ([{"name": "", "gpu": "cpu"}], "name"),
+    ],
+)
+def test_model_groups_in_settings_are_checked(models: list[dict[str, str]], message: str) -> None:
+    from router.config import load_settings
+
+    with pytest.raises(ConfigError, match=message):
+        load_settings(models=models)
+
+
+def test_an_old_config_keeps_working() -> None:
+    from router.config import load_settings
+
+    s = load_settings(replicas=[{"id": "r", "url": "http://r:8000", "gpu": "cpu"}])
+    assert (s.models, s.replicas[0].model) == ([], "llama-3.1-8b")
