@@ -39,6 +39,17 @@ class ModelGroup:
     def affinity_excluded(self) -> frozenset[str]:
         return frozenset(self.drift.drifted)
 
+    def status(self) -> dict[str, object]:
+        """A JSON-able row for GET /admin/models."""
+        return {
+            "model": self.model,
+            "members": sorted(self.members),
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "reference": self.drift.reference_dict(),
+            "drifted": {rid: [str(f) for f in fs] for rid, fs in self.drift.drifted.items()},
+        }
+
     def fitting(self, tokens: int) -> frozenset[str]:
         """The members whose own context holds `tokens` (prompt + max_tokens); unknown: kept."""
         return frozenset(

@@ -149,6 +149,14 @@ async def list_replicas(request: Request) -> dict[str, Any]:
     return {"replicas": rt.fleet.status(), "at": time.time()}
 
 
+@admin_routes.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """Each model group: members, reference configuration, drifted members and what differs."""
+    rt = _admin(request)
+    groups = rt.fleet.groups
+    return {"models": [g.status() for g in groups.groups.values()], "at": time.time()}
+
+
 @admin_routes.post("/replicas", status_code=201, dependencies=_ADMIN)
 async def add_replica(request: Request, replica: ReplicaConfig) -> dict[str, Any]:
     try:

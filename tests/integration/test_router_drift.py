@@ -78,6 +78,16 @@ def test_drift_is_reported_in_the_admin_view_and_the_metric(router: RouterServer
     }
     assert all(r["routable"] for r in rows.values())
     assert rows["d2"]["description"]["block_size"] == 64
+    resp = httpx.get(f"{router.url}/admin/models", headers={"Authorization": f"Bearer {ADMIN}"})
+    (group,) = resp.json()["models"]
+    assert (group["model"], group["members"], group["block_size"]) == (
+        MODEL,
+        ["d1", "d2", "d3"],
+        32,
+    )
+    assert group["drifted"] == {"d2": ["block_size"]}
+    assert group["reference"]["block_size"] == 32
+    assert httpx.get(f"{router.url}/admin/models").status_code == 401
     text = scrape(router.url)
     assert (
         metric_value(text, "cp_replica_drift", model=MODEL, replica="d2", field="block_size") == 1
