@@ -40,8 +40,9 @@ Self-description: the first good scrape of each incarnation also asks the replic
 every `probe_interval_s` while it fails). `groups` (`router.fleet.groups`) is recomputed
 whenever a replica is admitted or removed: replicas per served model and their drift. A drifted
 replica (block size, `max_model_len`, prefix caching, hash algorithm or version unlike its
-group's) is still admitted, scored as a prefix miss, logged once per change and reported to
-`on_drift` callbacks (the `cp_replica_drift` gauge).
+group's) is still admitted, scored as a prefix miss and logged once per change; the router's
+`/metrics` reads `groups` (`cp_replica_drift`). `on_described` callbacks get each description
+(the router re-keys the replica's KV events by its model).
 
 Restart detection: a replica is a new incarnation (`incarnation += 1`, `on_restart` callbacks,
 which clear its prefix-index entries) when it comes back after being DOWN, or when a scrape shows
@@ -103,7 +104,6 @@ class LiveFleet:
         self._replicas: dict[str, LiveReplica] = {}
         self._restart_cbs: list[Callable[[str], None]] = []
         self._eject_cbs: list[Callable[[str, EjectReason], None]] = []
-        self._drift_cbs: list[Callable[[ModelGroups], None]] = []
         self._described_cbs: list[Callable[[str, ReplicaInfo], None]] = []
         self.groups = ModelGroups()
         self._grouped: dict[str, ReplicaInfo] = {}
@@ -171,10 +171,6 @@ class LiveFleet:
     def on_described(self, callback: Callable[[str, ReplicaInfo], None]) -> None:
         """Called with (replica id, its description) each time a replica describes itself."""
         self._described_cbs.append(callback)
-
-    def on_drift(self, callback: Callable[[ModelGroups], None]) -> None:
-        """Called with the new groups whenever a replica's drift changed."""
-        self._drift_cbs.append(callback)
 
     # -- views -----------------------------------------------------------------------------------
     def _view(self, replica_id: str) -> Ledger:
@@ -385,9 +381,6 @@ class LiveFleet:
             what = ", ".join(f"{m}:{f}" for m, f in fields) or "none"
             level = logging.WARNING if fields else logging.INFO
             log.log(level, "replica drift", extra={"replica": rid, "drift": what})
-        if changes:
-            for cb in self._drift_cbs:
-                _call(cb, after)
 
 
 def _call(cb: Callable[..., None], *args: object) -> None:
