@@ -24,6 +24,7 @@
     │   ├── TooManyConnectionsError  more connections open than the router takes
     │   ├── QuotaUnavailableError  a hard quota's store cannot be reached (fail closed)
     │   └── RegistryUnavailableError  the shared fleet registry cannot be reached (admin)
+    ├── ReplicaDescriptionError a replica that did not say what it is (/v1/models, /metrics)
     ├── UpstreamError          the chosen replica failed the request (502)
     │   └── UpstreamTimeoutError  no answer within the deadline (504)
     ├── StoreError             a Redis store call that got no answer (never reaches a client:
@@ -101,9 +102,11 @@ class InvalidHttpError(RequestError):
 
 
 class ModelNotFoundError(RequestError):
-    """The request names a model this router does not serve."""
+    """The request names a model this router does not serve (OpenAI's `model_not_found`)."""
 
     status_code = 404
+    openai_code = "model_not_found"
+    param = "model"
 
 
 class AuthError(RequestError):
@@ -187,6 +190,10 @@ class RegistryUnavailableError(CapacityError):
     """A fleet change (admin API) cannot reach the shared fleet registry; nothing changed."""
 
     openai_code = "registry_unavailable"
+
+
+class ReplicaDescriptionError(ControlPlaneError):
+    """A replica whose self-description (`controlplane/replica_info.py`) could not be read."""
 
 
 class UpstreamError(ControlPlaneError):

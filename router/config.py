@@ -5,6 +5,14 @@ Sources, highest first: explicit values (CLI flags), `CP_*` environment variable
 defaults below. `controlplane config show` prints the resolved result with every default made
 explicit; `controlplane config diff A B` compares two.
 
+Model groups: the replicas say which models they serve (`/v1/models`); `models` adds what they
+cannot say, per served model name: the GPU kind of the group's replicas and where its
+config.json is, from which the roofline profile is built. Migration: a replica whose model has
+no `models` entry keeps the legacy roofline keys of its `ReplicaConfig` (`gpu`, `model`), and
+`/admin/replicas` says which source its profile came from (`profile_source`: `config_json`,
+`replica_keys` or `defaults` when neither was configured); `served_model` stays the name of
+replicas that cannot describe themselves and the model accepted before any replica is up.
+
 The routing policy is either one policy (`policy.name` + `policy.params`) or an A/B split
 (`policy.arms`: several named arms, each a policy with parameters and a weight; a request's arm is
 a deterministic function of its sticky key, the tenant or the session key, so one tenant or one
@@ -39,6 +47,29 @@ from router.fleet.urls import DEFAULT_ALLOWED_NETWORKS, ReplicaGuard, Resolver, 
 CONFIG_FILE_ENV = "CP_CONFIG_FILE"
 
 
+class ModelGroupConfig(Section):
+    name: str = Field(
+        min_length=1,
+        description="Served model name, as the replicas list it in /v1/models and clients send "
+        "it in `model`.",
+    )
+    gpu: str = Field(
+        description="GPU kind of this group's replicas (roofline GPU key, e.g. h100, a100, "
+        "cpu); required: the profile is never built for a guessed GPU."
+    )
+    config_json: str | None = Field(
+        default=None,
+        description="The model's Hugging Face config.json (the file, or a directory holding "
+        "it, e.g. a local HF-cache snapshot); None: the `root` the replicas report in "
+        "/v1/models, when it is a directory on the router's machine. Not found: the replica "
+        "stays LOADING with the reason in /admin/replicas.",
+    )
+    tp: int = Field(default=1, ge=1, description="Tensor parallel degree of the replicas.")
+    kv_cache_dtype: str = Field(
+        default="auto", description="vLLM's --kv-cache-dtype of the replicas (auto, fp8, ...)."
+    )
+
+
 class ReplicaConfig(Section):
     id: str = Field(
         description="Stable replica id (metric label, index key part): 1 to 63 characters of "
@@ -49,8 +80,16 @@ class ReplicaConfig(Section):
         "https, no user info, query or fragment, its address inside replica_allowed_networks "
         "(checked when the replica joins: at startup, or POST /admin/replicas)."
     )
-    gpu: str = Field(default="h100", description="GPU key of the roofline profile (cost model).")
-    model: str = Field(default="llama-3.1-8b", description="Model key of the roofline profile.")
+    gpu: str = Field(
+        default="h100",
+        description="Legacy: GPU key of the roofline profile, used when the replica's served "
+        "model has no `models` entry (the default is reported as profile_source=defaults).",
+    )
+    model: str = Field(
+        default="llama-3.1-8b",
+        description="Legacy: roofline model key, used when the replica's served model has no "
+        "`models` entry (see `gpu`).",
+    )
     tp: int = Field(default=1, ge=1, description="Tensor parallel degree of the replica.")
     block_size: int | None = Field(
         default=None,
@@ -461,6 +500,11 @@ class RouterSettings(BaseSettings):
     replicas: list[ReplicaConfig] = Field(
         default_factory=list, description="The fleet (more can be added through /admin)."
     )
+    models: list[ModelGroupConfig] = Field(
+        default_factory=list,
+        description="Per served model: the GPU kind and config.json its roofline profile is "
+        "built from (replicas report the rest: block size, blocks, max_model_len, version).",
+    )
     replica_allowed_networks: Annotated[list[IPvAnyNetwork], NoDecode] = Field(
         default_factory=lambda: [ipaddress.ip_network(n) for n in DEFAULT_ALLOWED_NETWORKS],
         description="Networks (CIDRs) every replica address must lie in, a literal IP or each "
@@ -549,6 +593,14 @@ class RouterSettings(BaseSettings):
         if self.fleet.shared and not self.redis.url:
             raise ValueError("fleet.shared needs redis.url")
         return self
+
+    @field_validator("models")
+    @classmethod
+    def _unique_models(cls, v: list[ModelGroupConfig]) -> list[ModelGroupConfig]:
+        names = [m.name for m in v]
+        if len(names) != len(set(names)):
+            raise ValueError(f"model group names must be unique: {names}")
+        return v
 
     @field_validator("tenants")
     @classmethod

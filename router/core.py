@@ -1,12 +1,15 @@
 """The routing path of the live router: from a validated OpenAI request to a reserved replica.
 
     route(body)                                      per request, in this order:
-      1. model check, max_tokens limit                (4xx before any work)
-      2. tokens: the configured tokenizer; prompt-token limit
-      3. block hashes at the fleet's block size, scoped by model and the request's cache salt
+      1. model check (the fleet's model groups: 404 listing the served models), max_tokens limit
+      2. tokens: the configured tokenizer; prompt-token limit, and prompt + max_tokens within the
+         model group's `max_model_len` as the replicas report it (400, as vLLM would answer)
+      3. block hashes at the model group's block size, scoped by model and the request's salt
          (the tenant's, a public prefix's, or in open mode the client's: `SaltPolicy`)
       4. arm = books.arm_for(request)                  (A/B split; one arm without a split)
-      5. matches = index.lookup(hashes, routable)     None = unknown: route on load, counted
+      5. matches = index.lookup(hashes, routable)     routable = the model group's members;
+                                                      a drifted member's match is dropped
+                                                      (scored as a miss); None = unknown
          (with Redis, `prefetch` starts it before the quota and the fair queue, over every
          routable replica; a fresh result is narrowed to the replicas the request may use)
       6. decision = books.decide(request, fleet.snapshot(), matches, arm)   pure
@@ -94,6 +97,11 @@ def _tokenize_batch(tok: LocalTokenizer, prompts: list[str | list[int]]) -> tupl
     return first, sum(len(t) for t in rest)
 
 
+def _needed(req: RoutingRequest) -> int:
+    """The context a request needs, as vLLM counts it: prompt + max_tokens (or one token)."""
+    return req.prompt_tokens + (req.max_tokens or 1)
+
+
 class RouterCore:
     def __init__(
         self,
@@ -117,7 +125,7 @@ class RouterCore:
         self.clock = clock
         self.salts = salts or SaltPolicy(b"")
         self._secret = os.environ.get(settings.hash_secret_env, "").encode()
-        self._hashers: OrderedDict[tuple[str, int], BlockHasher] = OrderedDict()
+        self._hashers: OrderedDict[tuple[str, str, int], BlockHasher] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         # told of every committed decision (the status view's ring: router/status/ring.py)
         self.observers: list[Callable[[Routed], None]] = []
@@ -153,18 +161,23 @@ class RouterCore:
         except TokenizationError as exc:
             raise RequestError(f"cannot tokenize the prompt: {exc}") from None
 
-    def _hasher(self, salt: str, block_size: int) -> BlockHasher:
+    def _hasher(self, model: str, salt: str, block_size: int) -> BlockHasher:
         """The hasher of one salt scope: `scope_key(model, None, salt, secret)`, as the KV-event
         ingestor computes it from the salt vLLM reports on block 0."""
-        h = self._hashers.get((salt, block_size))
+        k = (model, salt, block_size)
+        h = self._hashers.get(k)
         if h is None:
-            key = scope_key(self.settings.served_model, None, salt, self._secret)
-            h = self._hashers[(salt, block_size)] = BlockHasher(block_size, key=key)
+            key = scope_key(model, None, salt, self._secret)
+            h = self._hashers[k] = BlockHasher(block_size, key=key)
             if len(self._hashers) > MAX_HASHERS:
                 self._hashers.popitem(last=False)
         else:
-            self._hashers.move_to_end((salt, block_size))
+            self._hashers.move_to_end(k)
         return h
+
+    def served_models(self) -> tuple[str, ...]:
+        """The models of the fleet's groups; before any replica is admitted, the configured one."""
+        return self.fleet.groups.models or (self.settings.served_model,)
 
     async def build(
         self,
@@ -178,10 +191,11 @@ class RouterCore:
             raw = body.model_dump_json(exclude_unset=True).encode()
             body = from_model(body, raw, json.loads(raw))
         limits = self.settings.limits
-        if body.model != self.settings.served_model:
+        served = self.served_models()
+        if body.model not in served:
+            listed = ", ".join(f"`{m}`" for m in served)
             raise ModelNotFoundError(
-                f"The model `{body.model}` does not exist; this router serves "
-                f"`{self.settings.served_model}`."
+                f"The model `{body.model}` does not exist; this router serves {listed}."
             )
         cap = body.output_cap
         if cap is not None and cap > limits.max_tokens:
@@ -192,7 +206,17 @@ class RouterCore:
             raise PromptTooLongError(
                 f"the prompt has {n} tokens; this router accepts at most {limits.max_prompt_tokens}"
             )
-        bs = self.fleet.block_size() or DEFAULT_BLOCK_SIZE
+        group = self.fleet.groups.get(body.model)
+        context = group.max_model_len if group is not None else None
+        # vLLM refuses prompt + max_tokens beyond max_model_len; with no max_tokens, a prompt
+        # must leave room for one generated token
+        if context is not None and n + (cap or 1) > context:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {n + (cap or 1)} tokens ({n} in the prompt, {cap or 1} for the "
+                f"completion). Please reduce the length of the prompt or max_tokens."
+            )
+        bs = self.fleet.block_size(body.model) or DEFAULT_BLOCK_SIZE
         salt = self.salts.choose(
             tenant,
             tok.token_ids,
@@ -200,7 +224,7 @@ class RouterCore:
             batch=extra > 0,
         )
         self.metrics.cache_salts.labels(salt.reason).inc()
-        hashes = self._hasher(salt.scope, bs).hash_blocks(tok.token_ids)
+        hashes = self._hasher(body.model, salt.scope, bs).hash_blocks(tok.token_ids)
         tid = tenant.tenant_id
         return RoutingRequest(
             request_id=request_id,
@@ -225,7 +249,7 @@ class RouterCore:
         once). `route` uses it while fresh, narrowed to the replicas it may choose."""
         if self.index.kind == "memory" or not req.block_hashes:
             return None
-        routable = [r.replica_id for r in self.fleet.snapshot().routable()]
+        routable = self._group_routable(req.model)
         if not routable:
             return None
         task = asyncio.ensure_future(self.index.lookup(req.block_hashes, routable))
@@ -265,10 +289,13 @@ class RouterCore:
         them is still routable) and book it."""
         books = self.books
         arm = books.arm_for(req)
-        routable = [r.replica_id for r in self.fleet.snapshot().routable()]
+        routable = self._group_routable(req.model, _needed(req))
         if not routable:
             self.discard(prefetched)
-            raise NoReadyReplicaError("no ready replica: every replica is loading, ejected or gone")
+            raise NoReadyReplicaError(
+                f"no ready replica for model `{req.model}`: every replica serving it is "
+                "loading, ejected or gone"
+            )
         if allowed:
             routable = [r for r in routable if r in allowed] or routable
         matches, took = await self._lookup(req, routable, prefetched)
@@ -277,7 +304,16 @@ class RouterCore:
         if matches is None:
             self.metrics.fallbacks.labels("index_unknown").inc()
             matches = {}
+        group = self.fleet.groups.get(req.model)
+        if group is not None and group.affinity_excluded:
+            # a drifted replica's blocks are not hashed as the group's: its match is a miss
+            matches = {r: m for r, m in matches.items() if r not in group.affinity_excluded}
         snap = self.fleet.snapshot()
+        members = self._members(req.model, _needed(req))
+        if members is not None:
+            snap = FleetSnapshot(
+                tuple(r for r in snap.replicas if r.replica_id in members), snap.now_s
+            )
         if allowed:
             narrowed = tuple(r for r in snap.replicas if r.replica_id in allowed and r.routable)
             if narrowed:
@@ -294,6 +330,22 @@ class RouterCore:
         self._gauges(routed.replica_id)
         return routed
 
+    def _members(self, model: str, tokens: int = 0) -> frozenset[str] | None:
+        """The replicas serving `model` whose context holds `tokens` (None: no groups yet,
+        every replica)."""
+        group = self.fleet.groups.get(model)
+        if group is not None:
+            return group.fitting(tokens) if tokens else group.members
+        return frozenset() if self.fleet.groups.groups else None
+
+    def _group_routable(self, model: str, tokens: int = 0) -> list[str]:
+        members = self._members(model, tokens)
+        return [
+            r.replica_id
+            for r in self.fleet.snapshot().routable()
+            if members is None or r.replica_id in members
+        ]
+
     async def _apply(self, ops: list[IndexOp]) -> None:
         """The books' index operations: speculation before the request is sent (awaited),
         retraction in the background."""
@@ -306,7 +358,13 @@ class RouterCore:
     async def reroute(self, routed: Routed) -> str | None:
         """The upstream never accepted the request: move it to the best untried candidate."""
         old = routed.replica_id
-        ops = self.books.reroute(routed, self.fleet.snapshot(), self.clock())
+        snap = self.fleet.snapshot()
+        members = self._members(routed.request.model, _needed(routed.request))
+        if members is not None:  # never to a replica of another model (or a shorter context)
+            snap = FleetSnapshot(
+                tuple(r for r in snap.replicas if r.replica_id in members), snap.now_s
+            )
+        ops = self.books.reroute(routed, snap, self.clock())
         if ops is None:
             return None
         self._gauges(old)

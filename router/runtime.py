@@ -37,6 +37,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from controlplane.errors import RegistryUnavailableError, StoreError
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.service import EventIndexer
+from controlplane.replica_info import ReplicaInfo
 from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.books import Routed, RoutingBooks
 from controlplane.tenancy.model import Tenant
@@ -154,6 +155,7 @@ class RouterRuntime:
         self.core.observers.append(self.decisions.record)
         self.status_sources: list[StatusSource] = []
         self.status = StatusFeed(self, window_s=settings.status.demand_window_s)
+        self.fleet.on_described(self._described)
         self.started_s = time.monotonic()
         self.started_wall_s = time.time()
 
@@ -176,6 +178,15 @@ class RouterRuntime:
         follower = EventIndexer([src], self.index.events_sink, secret=secret)
         follower.start()
         self.events[r.id] = follower
+
+    def _described(self, replica_id: str, info: ReplicaInfo) -> None:
+        """The replica's KV events are keyed by the model it says it serves (several models:
+        not necessarily `served_model`), as `RouterCore` keys the prompts routed to it."""
+        follower = self.events.get(replica_id)
+        ingestor = follower.ingestors.get(replica_id) if follower is not None else None
+        base = next((m.name for m in info.models if m.parent is None), None)
+        if ingestor is not None and base is not None:
+            ingestor.model = base
 
     def _restarted(self, replica_id: str) -> None:
         if replica_id in self.events:
@@ -297,6 +308,9 @@ class RouterRuntime:
         m = self.metrics
         for rep in self.fleet.replicas():
             m.set_engine_prefix(rep.replica_id, rep.prefix_hits, rep.prefix_queries)
+        described = {r.replica_id: r.info is not None for r in self.fleet.replicas()}
+        sources = {r.replica_id: str(r.profile_source) for r in self.fleet.replicas()}
+        m.sync_descriptions(self.fleet.groups.drift_of(), described, sources)
         m.inflight.set(len(self.ledger))
         for follower in self.events.values():
             for row in follower.status():

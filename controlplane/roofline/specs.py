@@ -411,3 +411,15 @@ def model(name: str) -> ModelSpec:
         return MODELS[name.lower()]
     except KeyError:
         raise ConfigError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+def register_model(key: str, spec: ModelSpec) -> str:
+    """Make `spec` known as `key` (lower-cased, returned), for profiles built from a model's
+    config.json; registering the same spec again is a no-op, a different one under a taken key
+    is a ConfigError."""
+    k = key.lower()
+    known = MODELS.get(k)
+    if known is not None and known != spec:
+        raise ConfigError(f"model key {key!r} is already registered with another spec")
+    MODELS[k] = spec
+    return k

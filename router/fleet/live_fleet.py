@@ -36,8 +36,16 @@ feed telemetry.
 Every scrape sets `metrics` and the
 prefix-cache counters and calls `ledger.scraped(id, t)` with the time `t` the scrape *started*. The
 KV block size and count come from the `ReplicaConfig`, else from `vllm:cache_config_info`, and
-size the replica's roofline profile. A replica whose block size differs from the READY replicas'
-stays LOADING (one fleet hashes prompts at one block size).
+size the replica's roofline profile.
+
+Self-description: the first good scrape of each incarnation also asks the replica what it is
+(`controlplane.replica_info.describe_replica`: `/v1/models`, `/version`, cache config; retried
+every `probe_interval_s` while it fails). `groups` (`router.fleet.groups`) is recomputed
+whenever a replica is admitted or removed: replicas per served model and their drift. A drifted
+replica (block size, `max_model_len`, prefix caching, hash algorithm or version unlike its
+group's) is still admitted, scored as a prefix miss and logged once per change; the router's
+`/metrics` reads `groups` (`cp_replica_drift`). `on_described` callbacks get each description
+(the router re-keys the replica's KV events by its model).
 
 Restart detection: a replica is a new incarnation (`incarnation += 1`, `on_restart` callbacks,
 which clear its prefix-index entries) when it comes back after being DOWN, or when a scrape shows
@@ -55,11 +63,13 @@ from collections.abc import Callable
 
 import httpx
 
-from controlplane.errors import ConfigError, UnknownReplicaError
+from controlplane.errors import ConfigError, ReplicaDescriptionError, UnknownReplicaError
 from controlplane.metrics_scrape import MetricsScrapeError
+from controlplane.replica_info import ReplicaInfo, describe_replica
 from controlplane.routing.ledger import RouterLedger
 from controlplane.types import FleetSnapshot, Ledger, Phase
 from router.config import ReplicaConfig, RouterSettings
+from router.fleet.groups import ModelGroups, drift_changes, model_groups
 from router.fleet.health import (
     EjectReason,
     FailureReason,
@@ -98,6 +108,9 @@ class LiveFleet:
         self._replicas: dict[str, LiveReplica] = {}
         self._restart_cbs: list[Callable[[str], None]] = []
         self._eject_cbs: list[Callable[[str, EjectReason], None]] = []
+        self._described_cbs: list[Callable[[str, ReplicaInfo], None]] = []
+        self.groups = ModelGroups()
+        self._grouped: dict[str, ReplicaInfo] = {}
         # telemetry: ejections by (replica, reason), restarts by replica, slow ejections refused
         # by the max_ejected_fraction cap by replica
         self.ejections: Counter[tuple[str, EjectReason]] = Counter()
@@ -113,7 +126,12 @@ class LiveFleet:
     def add(self, cfg: ReplicaConfig) -> LiveReplica:
         if cfg.id in self._replicas:
             raise ConfigError(f"replica {cfg.id!r} already exists")
-        r = LiveReplica(cfg, connect_s=self.settings.timeouts.connect_s, transport=self._transport)
+        r = LiveReplica(
+            cfg,
+            connect_s=self.settings.timeouts.connect_s,
+            transport=self._transport,
+            model_groups=tuple(self.settings.models),
+        )
         self._replicas[cfg.id] = r
         self._schedule.wake()
         return r
@@ -142,6 +160,7 @@ class LiveFleet:
         if self.ledger is not None:
             self.ledger.drop_replica(replica_id)
         log.info("replica removed", extra={"replica": replica_id})
+        self._regroup()
 
     def get(self, replica_id: str) -> LiveReplica:
         try:
@@ -158,6 +177,10 @@ class LiveFleet:
     def on_eject(self, callback: Callable[[str, EjectReason], None]) -> None:
         self._eject_cbs.append(callback)
 
+    def on_described(self, callback: Callable[[str, ReplicaInfo], None]) -> None:
+        """Called with (replica id, its description) each time a replica describes itself."""
+        self._described_cbs.append(callback)
+
     # -- views -----------------------------------------------------------------------------------
     def _view(self, replica_id: str) -> Ledger:
         return self.ledger.view(replica_id) if self.ledger is not None else _EMPTY
@@ -167,8 +190,12 @@ class LiveFleet:
         states = tuple(r.state(self._view(r.replica_id), now) for r in self._replicas.values())
         return FleetSnapshot(states, now)
 
-    def block_size(self) -> int | None:
-        """The READY replicas' block size; before any is READY, the first one known."""
+    def block_size(self, model: str | None = None) -> int | None:
+        """The block size of `model`'s group (its reference configuration's); without a group
+        (or a model), the READY replicas' block size; before any is READY, the first known."""
+        group = self.groups.get(model) if model is not None else None
+        if group is not None and group.block_size is not None:
+            return group.block_size
         ready = [r.block_size for r in self._replicas.values() if r.phase is Phase.READY]
         known = ready + [r.block_size for r in self._replicas.values()]
         return next((b for b in known if b is not None), None)
@@ -245,6 +272,7 @@ class LiveFleet:
     def _new_incarnation(self, r: LiveReplica, why: str) -> None:
         r.incarnation += 1
         r.health.failures = 0
+        r.forget_description()
         self.restarts[r.replica_id] += 1
         log.warning(
             "replica restarted",
@@ -311,23 +339,67 @@ class LiveFleet:
             self.ledger.scraped(r.replica_id, started)
         if why is not None:
             self._new_incarnation(r, why)
+        if r.info is None and started >= r.next_describe_s:
+            await self._describe(r)
         self._update_ready(r)
 
+    async def _describe(self, r: LiveReplica) -> None:
+        h = self.settings.health
+        r.next_describe_s = self._clock() + h.probe_interval_s
+        try:
+            info = await describe_replica(r.client, r.url, timeout_s=h.scrape_timeout_s)
+        except ReplicaDescriptionError as exc:
+            r.describe_error = str(exc)
+            return
+        except Exception as exc:  # a bug must not keep the replica from being admitted
+            log.exception("describing replica %s failed", r.replica_id)
+            r.describe_error = f"describing it failed: {exc!r}"
+            return
+        if not r.removed:
+            r.take_description(info)
+            for cb in self._described_cbs:
+                _call(cb, r.replica_id, info)
+            log.info(
+                "replica described",
+                extra={
+                    "replica": r.replica_id,
+                    "models": list(info.model_names),
+                    "profile": r.profile.label,
+                    "profile_source": str(r.profile_source),
+                    "profile_error": r.profile_error,
+                },
+            )
+
     def _update_ready(self, r: LiveReplica) -> None:
-        """Admit a replica that is up and scraped, unless its block size is not the fleet's."""
+        """Admit a replica that is up and scraped; then regroup (its drift may have changed)."""
         if r.health.liveness is not Liveness.UP or not r.scraped or r.profile_error:
             return
-        others = {
-            o.block_size
-            for o in self._replicas.values()
-            if o is not r and o.phase is Phase.READY and o.block_size is not None
-        }
-        if r.block_size is not None and others and r.block_size not in others:
-            r.ready = False
-            r.last_error = f"block size {r.block_size} differs from the fleet's {sorted(others)}"
-        elif not r.ready:
+        if not r.ready:
             r.ready = True
             log.info("replica ready", extra={"replica": r.replica_id})
+        self._regroup()
+
+    def _regroup(self) -> None:
+        """Recompute the model groups over the admitted replicas; log and report drift changes."""
+        default = self.settings.served_model
+        infos = {
+            o.replica_id: o.described(default)
+            for o in self._replicas.values()
+            if o.phase in (Phase.READY, Phase.DRAINING)
+        }
+        if infos == self._grouped:  # every scrape lands here: most change nothing
+            return
+        self._grouped = infos
+        before, after = self.groups, model_groups(infos)
+        self.groups = after
+        changes = drift_changes(before, after)
+        drift = after.drift_of()
+        for o in self._replicas.values():
+            o.drift = tuple(f for _, f in drift.get(o.replica_id, ()))
+        for rid, fields in changes:
+            what = ", ".join(f"{m}:{f}" for m, f in fields) or "none"
+            level = logging.WARNING if fields else logging.INFO
+            log.log(level, "replica drift", extra={"replica": rid, "drift": what})
 
 
 def _call(cb: Callable[..., None], *args: object) -> None:

@@ -9,11 +9,20 @@ computed from the flags, in this order:
     good probe + good scrape since (re)starting      -> READY
     otherwise                                        -> LOADING
 
-The profile is the roofline's for the configured GPU, model and TP, with the KV block size and
-block count of the config, else of `vllm:cache_config_info` (else the roofline's defaults). A
-configured value the replica contradicts is kept (the config wins) and reported in `status()`.
+The profile is `router.fleet.profiles.resolve_profile`'s: from the model's config.json and the
+model group's GPU kind once the replica described itself (settings `models`), else the legacy
+GPU and model keys of its config; with the KV block size and block count of the config, else of
+`vllm:cache_config_info` (else the roofline's defaults). A configured value the replica
+contradicts is kept (the config wins) and reported in `status()`. A profile that cannot be built
+(`profile_error`) keeps the replica LOADING.
 `state()` reuses its last `ReplicaState` while nothing in it changed, so memoized load estimates
 survive between snapshots.
+
+Self-description (`controlplane.replica_info`): `info` is what the replica said about itself at
+join (served models and their `max_model_len`, cache layout, version), read again after every
+restart. A replica that cannot describe itself (no `/v1/models`) is routed as configured:
+`describe_error` says why, and `described(default_model)` stands in with what the scrape shows
+and the router's configured `served_model`. `drift` is set by the fleet (`router.fleet.groups`).
 """
 
 from __future__ import annotations
@@ -23,12 +32,15 @@ import math
 
 import httpx
 
+from controlplane.drift import DriftField
 from controlplane.errors import ConfigError
 from controlplane.metrics_scrape import ScrapedMetrics
-from controlplane.roofline.profile import EngineProfile, profile
+from controlplane.replica_info import ReplicaInfo, ServedModel
+from controlplane.roofline.profile import EngineProfile
 from controlplane.types import EngineMetrics, Ledger, Phase, ReplicaState
-from router.config import ReplicaConfig
+from router.config import ModelGroupConfig, ReplicaConfig
 from router.fleet.health import Liveness, ReplicaHealth, restart_signal
+from router.fleet.profiles import ProfileSource, resolve_profile
 from router.http.h1 import H1Pool
 from router.http.upstream import HttpxPool, UpstreamPool
 
@@ -36,20 +48,6 @@ from router.http.upstream import HttpxPool, UpstreamPool
 # idle connections are dropped after 2 s: servers (uvicorn, so vLLM) close theirs after 5 s, and
 # a request written on a connection the server is closing fails as a reset that cannot be retried
 POOL_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0)
-
-
-def build_profile(
-    cfg: ReplicaConfig, block_size: int | None, num_gpu_blocks: int | None
-) -> EngineProfile:
-    """The roofline profile of `cfg` with a known block size and count (raises ConfigError)."""
-    return profile(
-        cfg.gpu,
-        cfg.model,
-        tp=cfg.tp,
-        block_size=block_size or 0,
-        num_gpu_blocks_override=num_gpu_blocks or 0,
-        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
-    )
 
 
 class LiveReplica:
@@ -61,11 +59,21 @@ class LiveReplica:
         *,
         connect_s: float,
         transport: httpx.AsyncBaseTransport | None = None,
+        model_groups: tuple[ModelGroupConfig, ...] = (),
     ) -> None:
         self.config = config
         self.replica_id = config.id
         self.url = config.url.rstrip("/")
-        self.profile = build_profile(config, config.block_size, config.num_gpu_blocks)
+        self.model_groups = model_groups
+        self.profile: EngineProfile
+        self.profile_source: ProfileSource
+        self.profile, self.profile_source = resolve_profile(
+            config,
+            None,
+            model_groups,
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+        )
         self.client = httpx.AsyncClient(
             base_url=self.url,
             timeout=httpx.Timeout(None, connect=connect_s),
@@ -94,6 +102,12 @@ class LiveReplica:
         self.num_gpu_blocks: int | None = config.num_gpu_blocks
         self.reported: tuple[int | None, int | None] = (None, None)
         self.model_names: tuple[str, ...] = ()
+        # what the replica said about itself (None: not yet, or it cannot), and its drift
+        self.info: ReplicaInfo | None = None
+        self.describe_error: str | None = None
+        self.next_describe_s = -math.inf
+        self.drift: tuple[DriftField, ...] = ()
+        self.cache_flags: tuple[bool | None, str | None] = (None, None)
         self.draining = False
         self.removed = False
         # a good scrape since the replica came up (or came back), and admitted to READY
@@ -137,8 +151,50 @@ class LiveReplica:
         (scrapes started before `now` are stale)."""
         self.ready = self.scraped = False
         self.restart_baseline = None
+        self.forget_description()
         self.scrape_applied_s = now
         self.next_scrape_s = now
+
+    def forget_description(self) -> None:
+        """A new process may be a new configuration (an upgrade): ask it again."""
+        self.info = None
+        self.describe_error = None
+        self.next_describe_s = -math.inf
+
+    def take_description(self, info: ReplicaInfo) -> None:
+        """What the replica said about itself; the profile follows it (settings `models`)."""
+        self.info, self.describe_error = info, None
+        self._rebuild_profile()
+
+    def _rebuild_profile(self) -> None:
+        try:
+            self.profile, self.profile_source = resolve_profile(
+                self.config,
+                self.info,
+                self.model_groups,
+                block_size=self.block_size,
+                num_gpu_blocks=self.num_gpu_blocks,
+            )
+            self.profile_error = None
+        except ConfigError as exc:
+            self.profile_error = (
+                f"profile for block size {self.block_size}, {self.num_gpu_blocks} blocks: {exc}"
+            )
+            self.ready = False
+
+    def described(self, default_model: str) -> ReplicaInfo:
+        """Its description, or, while it has none, what its scrape shows under `default_model`
+        (the router's configured served model)."""
+        if self.info is not None:
+            return self.info
+        return ReplicaInfo(
+            url=self.url,
+            models=(ServedModel(default_model, None),),
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            enable_prefix_caching=self.cache_flags[0],
+            prefix_caching_hash_algo=self.cache_flags[1],
+        )
 
     def take_scrape(self, scraped: ScrapedMetrics, marker: float | None) -> str | None:
         """Take one scrape's values; returns why it shows a restart, or None."""
@@ -162,17 +218,13 @@ class LiveReplica:
         if cache is None:
             return
         self.reported = (cache.block_size, cache.num_gpu_blocks)
+        self.cache_flags = (cache.enable_prefix_caching, cache.prefix_caching_hash_algo)
         block_size = self.config.block_size or cache.block_size
         blocks = self.config.num_gpu_blocks or cache.num_gpu_blocks
         if (block_size, blocks) == (self.block_size, self.num_gpu_blocks):
             return
         self.block_size, self.num_gpu_blocks = block_size, blocks
-        try:
-            self.profile = build_profile(self.config, block_size, blocks)
-            self.profile_error = None
-        except ConfigError as exc:
-            self.profile_error = f"profile for block size {block_size}, {blocks} blocks: {exc}"
-            self.ready = False
+        self._rebuild_profile()
 
     def state(self, ledger_view: Ledger, now: float) -> ReplicaState:
         ejected = self.health.is_ejected(now)
@@ -228,7 +280,11 @@ class LiveReplica:
             "block_size": self.block_size,
             "num_gpu_blocks": self.profile.num_gpu_blocks,
             "profile": self.profile.label,
-            "models": list(self.model_names),
+            "profile_source": str(self.profile_source),
+            "models": list(self.info.model_names if self.info else self.model_names),
+            "description": self.info.to_json() if self.info else None,
+            "description_error": self.describe_error,
+            "drift": [str(f) for f in self.drift],
             "last_error": self.profile_error or self.last_error,
             "warnings": warnings,
         }

@@ -91,18 +91,22 @@ async def completions(request: Request, body: CompletionRequest) -> Response:
 
 @openai_routes.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    settings: RouterSettings = request.app.state.settings
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": settings.served_model,
-                "object": "model",
-                "created": int(_rt(request).started_wall_s),
-                "owned_by": "controlplane",
-            }
-        ],
-    }
+    """The union of the models the fleet's replicas serve (router/fleet/groups.py), each with
+    the context length its group's replicas report."""
+    rt = _rt(request)
+    cards = []
+    for name in rt.core.served_models():
+        group = rt.fleet.groups.get(name)
+        card: dict[str, Any] = {
+            "id": name,
+            "object": "model",
+            "created": int(rt.started_wall_s),
+            "owned_by": "controlplane",
+        }
+        if group is not None and group.max_model_len is not None:
+            card["max_model_len"] = group.max_model_len
+        cards.append(card)
+    return {"object": "list", "data": cards}
 
 
 @ops_routes.get("/health")
@@ -161,6 +165,14 @@ async def list_replicas(request: Request) -> dict[str, Any]:
     except RegistryUnavailableError as exc:  # the shared registry is down: this router's only
         body["fleet_error"] = str(exc)
     return body
+
+
+@admin_routes.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    """Each model group: members, reference configuration, drifted members and what differs."""
+    rt = _admin(request)
+    groups = rt.fleet.groups
+    return {"models": [g.status() for g in groups.groups.values()], "at": time.time()}
 
 
 @admin_routes.post("/replicas", status_code=201, dependencies=_ADMIN)

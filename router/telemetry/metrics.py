@@ -41,6 +41,7 @@ Fair queue shared by several routers: `cp_fair_shared_calls_total{outcome}`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -126,6 +127,29 @@ class RouterMetrics:
             "Prefix-index lookup time by outcome (hit, miss, unknown).",
             ("outcome",),
             buckets=LOOKUP_BUCKETS,
+            registry=r,
+        )
+        self.replica_drift = Gauge(
+            "cp_replica_drift",
+            "1 per field in which a replica's configuration differs from its model group's "
+            "(block_size, max_model_len, prefix_caching, hash_algo, version); such a replica is "
+            "kept out of prefix affinity.",
+            ("model", "replica", "field"),
+            registry=r,
+        )
+        self.replica_described = Gauge(
+            "cp_replica_described",
+            "1 when the replica described itself (/v1/models, cache config, version); 0 when "
+            "it could not and is routed as configured.",
+            ("replica",),
+            registry=r,
+        )
+        self.replica_profile_source = Gauge(
+            "cp_replica_profile_source",
+            "1 for where the replica's roofline profile came from: config_json (the model "
+            "group's config.json and GPU kind), replica_keys (its configured roofline keys) or "
+            "defaults (nothing configured: the profile is a guess).",
+            ("replica", "source"),
             registry=r,
         )
         self.outstanding_requests = Gauge(
@@ -237,6 +261,26 @@ class RouterMetrics:
         """The replica's cumulative prefix-cache counters (tokens) from its last scrape."""
         self.engine_prefix_hits.labels(replica=replica).set(hits)
         self.engine_prefix_queries.labels(replica=replica).set(queries)
+
+    def sync_descriptions(
+        self,
+        drift: Mapping[str, Sequence[tuple[str, str]]],
+        described: Mapping[str, bool],
+        profile_sources: Mapping[str, str],
+    ) -> None:
+        """The drift gauge from the fleet's current verdict (replica -> (model, field)...),
+        which replicas described themselves and where their profiles came from; stale series
+        are dropped."""
+        self.replica_profile_source.clear()
+        for replica, source in profile_sources.items():
+            self.replica_profile_source.labels(replica=replica, source=source).set(1)
+        self.replica_drift.clear()
+        for replica, fields in drift.items():
+            for model, field in fields:
+                self.replica_drift.labels(model=model, replica=replica, field=field).set(1)
+        self.replica_described.clear()
+        for replica, ok in described.items():
+            self.replica_described.labels(replica=replica).set(1 if ok else 0)
 
     def forget_replica(self, replica: str) -> None:
         """Drop the per-replica gauges of a replica that left the fleet (counters stay)."""

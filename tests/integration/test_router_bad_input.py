@@ -392,6 +392,8 @@ class FakeReplicas:
             return httpx.Response(200)
         if path == "/metrics":
             return httpx.Response(200, text=EXPOSITION)
+        if request.method == "GET":  # /v1/models, /version: it does not describe itself
+            return httpx.Response(404)
         body = await request.aread()
         with self.lock:
             self.calls.append((path, body))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from controlplane.drift import DriftField
 from controlplane.errors import ConfigError, UnknownReplicaError
 from controlplane.routing.ledger import RouterLedger
 from controlplane.types import Phase
@@ -329,7 +330,7 @@ async def test_a_scrape_sets_metrics_counters_and_the_ledger_at_its_start(env: F
     assert env.ledger.view("r0").unscraped_requests == 0
 
 
-async def test_block_size_and_blocks_from_config_win_and_disagreement_holds_a_replica() -> None:
+async def test_block_size_and_blocks_from_config_win_and_disagreement_is_drift() -> None:
     f = Fleet(3)
     cfgs = [
         ReplicaConfig(id="c0", url="http://r0:8000", block_size=32, num_gpu_blocks=500),
@@ -345,13 +346,18 @@ async def test_block_size_and_blocks_from_config_win_and_disagreement_holds_a_re
         assert (c0.block_size, c0.profile.num_gpu_blocks, c0.phase) == (32, 500, Phase.READY)
         row = next(r for r in f.fleet.status() if r["id"] == "c0")
         assert row["warnings"] == ["configured num_gpu_blocks 500 but the replica reports 1000"]
-        # one fleet, one block size: the replica reporting 16 is held back
-        assert (c1.block_size, c1.phase) == (16, Phase.LOADING)
-        assert c1.last_error is not None and "block size 16" in c1.last_error
-        assert f.fleet.block_size() == 32
+        # one group, one block size: the replica reporting 16 is admitted but drifted (a tie
+        # goes to the smallest id's configuration), so the router keeps it out of affinity
+        assert (c1.block_size, c1.phase, c1.drift) == (16, Phase.READY, (DriftField.BLOCK_SIZE,))
+        group = f.fleet.groups.get("tiny-llama")
+        assert group is not None and group.affinity_excluded == {"c1"}
+        assert f.fleet.block_size("tiny-llama") == 32
+        row = next(r for r in f.fleet.status() if r["id"] == "c1")
+        assert row["drift"] == ["block_size"]
         f.fakes["r1"].block_size = 32
         await f.fleet.refresh()
-        assert c1.phase is Phase.READY
+        assert (c1.phase, c1.drift, group.model) == (Phase.READY, (), "tiny-llama")
+        assert f.fleet.groups.drift_of() == {}
     finally:
         await f.fleet.aclose()
 
