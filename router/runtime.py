@@ -150,6 +150,9 @@ class RouterRuntime:
             RequestTelemetry(self.metrics),
         )
         self.fleet.on_restart(self._restarted)
+        self.fleet.on_eject(
+            lambda rid, reason: self.metrics.ejections.labels(rid, str(reason)).inc()
+        )
         # the status view: the last decisions, scaling decisions appended by an attached autoscaler
         self.decisions = DecisionRing(settings.status.decisions)
         self.core.observers.append(self.decisions.record)

@@ -119,6 +119,13 @@ def test_replica_stopped_mid_load_costs_no_request(pair: tuple[SimReplica, SimRe
         ejections = router.call(lambda: dict(router.runtime.fleet.ejections))
         assert ejections.get(("a", EjectReason.DOWN), 0) >= 1
         assert ejections.get(("a", EjectReason.TTFT), 0) == 0
+        # and the metric says the same
+        metric = router.call(
+            lambda: router.runtime.metrics.registry.get_sample_value(
+                "cp_ejections_total", {"replica": "a", "reason": "down"}
+            )
+        )
+        assert metric is not None and metric >= 1
         # `a`, running again, sees the cancelled connections and aborts what it held
         wait_until(lambda: running_requests(a) == 0, 20.0, "a's engine to drop the cut requests")
         assert finished_requests(a, "abort") >= retried
