@@ -9,7 +9,9 @@ scrapes (`Authorization: Bearer <admin key>`). Replica ids are pod names.
                       router, so it goes first). in_flight = max(the registry row's `in_flight`,
                       the live routers' heartbeats, with the sum of the reachable routers' own
                       rows, their ledgers now). cached_blocks = round(kv_usage x num_gpu_blocks)
-                      of the freshest scrape among the routers' own rows (0 when never scraped).
+                      of the freshest scrape among the routers' own rows (0 when never
+                      scraped). A router without the registry's view (Redis down) adds its own
+                      rows only; with no registry view at all, nothing is known (raises).
     drain(ids)        POST /admin/replicas/{id}/drain on the first router that answers (the
                       registry makes it fleet-wide); a 404 `UnknownReplicaError` means nothing
                       is left to drain; any other failure tries the next router.
@@ -111,23 +113,28 @@ class RouterDrainer:
             raise _Failed(f"{router}: not JSON") from None
         if not isinstance(body, dict):
             raise _Failed(f"{router}: not a JSON object")
-        if not isinstance(body.get("fleet"), list):
-            raise _Failed(f"{router}: no fleet registry view ({body.get('fleet_error', '')})")
         return body
 
     async def _listings(self, *, every: bool) -> list[dict[str, Any]]:
-        """The listings of every router (`every`) or of the first that answers."""
+        """The listings of every router (`every`), or of the first with the registry's view.
+        Raises `RouterAdminError` when no router gave the registry's view."""
         got: list[dict[str, Any]] = []
         failures: list[str] = []
         for router in self.routers:
             try:
-                got.append(await self._listing(router))
+                body = await self._listing(router)
             except _Failed as exc:
                 failures.append(str(exc))
                 continue
+            if not isinstance(body.get("fleet"), list):
+                failures.append(f"{router}: no fleet registry view ({body.get('fleet_error')})")
+                if every:
+                    got.append(body)  # its own rows still count (its ledger is real work)
+                continue
+            got.append(body)
             if not every:
                 break
-        if not got:
+        if not any(isinstance(b.get("fleet"), list) for b in got):
             raise RouterAdminError("no router's admin API answered", failures=tuple(failures))
         for f in failures:
             log.warning("router admin API: %s", f)
