@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -287,3 +288,43 @@ def test_a_missing_key_fails_before_anything_is_opened(monkeypatch: pytest.Monke
 def test_a_drainer_needs_routers_and_a_key(routers: list[str], key: str) -> None:
     with pytest.raises(ConfigError):
         RouterDrainer(routers, key)
+
+
+@pytest.mark.parametrize(
+    "flags, says, key_env",
+    [
+        (["--admin-key-env", "ROUTER_ADMIN"], "drain through the routers", "ROUTER_ADMIN"),
+        ([], "scale-down without drain", ""),
+    ],
+)
+def test_autoscale_run_takes_the_admin_key_variable(
+    flags: list[str], says: str, key_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    import controlplane.cli.autoscale_run as run
+    from controlplane.cli import _register, app
+
+    _register()
+    monkeypatch.delenv("CP_AUTOSCALER_ADMIN_KEY_ENV", raising=False)
+    served: list[HostSettings] = []
+
+    async def serve(settings: HostSettings) -> None:
+        served.append(settings)
+
+    monkeypatch.setattr(run, "serve", serve)
+    args = ["autoscale", "run", "--routers", A, "--mode", "kubernetes", "--deployment", "vllm"]
+    result = CliRunner().invoke(app, [*args, *flags], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert says in result.output
+    assert [s.admin_key_env for s in served] == [key_env]
+
+
+def test_the_kubernetes_manifest_gives_the_autoscaler_the_routers_admin_key() -> None:
+    import yaml
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "autoscaler.yaml"
+    (deployment,) = [d for d in yaml.safe_load_all(path.read_text()) if d["kind"] == "Deployment"]
+    env = {e["name"]: e for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    key_var = env["CP_AUTOSCALER_ADMIN_KEY_ENV"]["value"]
+    assert "secretKeyRef" in env[key_var]["valueFrom"]
