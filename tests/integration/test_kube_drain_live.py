@@ -37,7 +37,7 @@ from router_fixtures import (
 from router_harness import RouterServer
 from sim_fleet import SimReplica
 
-from autoscaler.hosts.kube_scaler import KubernetesScaler, ScalerSettings
+from autoscaler.hosts.kube_scaler import DrainOutcome, KubernetesScaler, ScalerSettings
 from autoscaler.hosts.router_drainer import RouterDrainer
 from autoscaler.types import ScaleDecision, ScaleReason
 from autoscaler.victims import VictimReason
@@ -222,6 +222,7 @@ async def scale_down_under_traffic(
         try:
             with pytest.raises(RouterAdminError, match="HTTP 401"):
                 await scaler.apply(2, DOWN, await scaler.observe())
+            assert scaler.drains.labels(DrainOutcome.FAILED)._value.get() == 1
         finally:
             await scaler.aclose()
         assert not [r for r in kube.requests if r.method == "PATCH"] and len(kube.pods) == 3
@@ -258,6 +259,7 @@ async def scale_down_under_traffic(
         assert [h.finish for h in held] == ["length"] * len(held)
         # the least-loaded replica was chosen, drained and awaited before any PATCH
         assert scaler.victims.labels(VictimReason.LEAST_WORK)._value.get() == 1
+        assert scaler.drains.labels(DrainOutcome.DRAINED)._value.get() == 1
         (_, drained, at_drain, _), (_, waited, at_gone, ok) = drainer.calls
         assert drained == waited == (victim,) and ok is True
         patches = [i for i, r in enumerate(kube.requests) if r.method == "PATCH"]
@@ -297,6 +299,7 @@ async def test_no_router_answering_abandons_the_scale_down(kube: FakeKube) -> No
     try:
         with pytest.raises(RouterAdminError, match="no router's admin API answered") as info:
             await scaler.apply(2, DOWN, await scaler.observe())
+        assert scaler.drains.labels(DrainOutcome.FAILED)._value.get() == 1
     finally:
         await scaler.aclose()
         await drainer.aclose()
