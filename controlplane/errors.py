@@ -31,9 +31,11 @@
     │   │                      each store decides what it means: unknown, 503, local fallback)
     │   ├── StoreUnavailableError  not sent: breaker open, too many calls waiting, closed
     │   └── StoreTimeoutError      sent; Redis did not answer within the call's budget
-    └── KubernetesApiError     a Kubernetes API call that failed after its retries (`status`:
-        │                      the HTTP code, None for a transport error; never reaches a client)
-        └── ResourceGoneError  410 Gone: a watch's resourceVersion expired (relist)
+    ├── KubernetesApiError     a Kubernetes API call that failed after its retries (`status`:
+    │   │                      the HTTP code, None for a transport error; never reaches a client)
+    │   └── ResourceGoneError  410 Gone: a watch's resourceVersion expired (relist)
+    └── RouterAdminError       no router's admin API answered the autoscaler (each router's
+                               failure in the message; never reaches a client)
 
 Library code raises these; the HTTP boundary maps them to OpenAI-shaped errors once, and the CLI
 maps them to a message on stderr and a non-zero exit code.
@@ -231,6 +233,15 @@ class KubernetesApiError(ControlPlaneError):
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class RouterAdminError(ControlPlaneError):
+    """No router's admin API answered a call of the autoscaler's drainer (`failures`: one line
+    per router tried, e.g. a transport error, a 401 for a wrong admin key, a 503)."""
+
+    def __init__(self, message: str, *, failures: tuple[str, ...] = ()) -> None:
+        super().__init__(message + "".join(f"\n  {f}" for f in failures))
+        self.failures = failures
 
 
 class ResourceGoneError(KubernetesApiError):

@@ -9,7 +9,9 @@ re-reads and retries. Scale down, in this order, so no request is cut and the ri
        (`autoscaler.victims.deployment_victims` over `GET pods?labelSelector=<its matchLabels>`
        and the drainer's per-pod in-flight and cached blocks)
     2. drain: `drainer.drain(victims)`, then `drainer.wait_drained(victims, drain_timeout_s)`
-       (on a timeout the scale-down goes on: the timeout is the drain's bound, logged)
+       (on a timeout the scale-down goes on: the timeout is the drain's bound, logged; a
+       drainer error, here or in 1., abandons the scale-down: nothing is PATCHed, the next
+       tick decides again); `cp_autoscaler_drains_total{outcome}`: drained/timed_out/failed
     3. Deployment only: `PATCH pods/<victim>` with the merge patch of the annotation
        `controller.kubernetes.io/pod-deletion-cost: "-2147483648"` (the ReplicaSet removes the
        lowest cost first); a pod still carrying that mark from a scale-down whose PATCH failed,
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from enum import StrEnum
 from typing import Any, Literal
 
 import httpx
@@ -41,7 +44,7 @@ from autoscaler.victims import (
     deployment_victims,
     statefulset_victims,
 )
-from controlplane.errors import ConfigError, KubernetesApiError
+from controlplane.errors import ConfigError, ControlPlaneError, KubernetesApiError
 from controlplane.kube.api import KubeClient, KubeConnection, resolve_namespace
 from controlplane.kube.pods import (
     DELETION_COST,
@@ -54,6 +57,14 @@ from controlplane.kube.pods import (
 )
 
 log = logging.getLogger("controlplane.autoscaler.kubernetes")
+
+
+class DrainOutcome(StrEnum):
+    """How a scale-down's drain ended (metric label)."""
+
+    DRAINED = "drained"  # every victim's requests ended: removed
+    TIMED_OUT = "timed_out"  # drain_timeout_s passed first: removed anyway
+    FAILED = "failed"  # the drainer raised: nothing removed this time
 
 
 class ScalerSettings(KubeConnection):
@@ -107,10 +118,13 @@ class KubernetesScaler:
         self.drainer: Drainer = drainer or NoDrainer()
         self.drain_timeout_s = settings.drain_timeout_s
         self._marked: set[str] = set()  # pods carrying our lowest deletion cost, at the last list
+        registry = registry if registry is not None else CollectorRegistry()
         self.victims = Counter(
-            "cp_autoscaler_victims", "Replicas chosen for removal.", ["reason"],
-            registry=registry if registry is not None else CollectorRegistry(),
-        )  # fmt: skip
+            "cp_autoscaler_victims", "Replicas chosen for removal.", ["reason"], registry=registry
+        )
+        self.drains = Counter(
+            "cp_autoscaler_drains", "Scale-down drains by outcome.", ["outcome"], registry=registry
+        )
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         return await self.api.call(method, path, body, what=self.what)
@@ -159,7 +173,11 @@ class KubernetesScaler:
             if (p["metadata"].get("annotations") or {}).get(DELETION_COST)
             == str(LOWEST_DELETION_COST)
         }
-        info = await self.drainer.victim_info([p.name for p in pods if not p.terminating])
+        try:
+            info = await self.drainer.victim_info([p.name for p in pods if not p.terminating])
+        except ControlPlaneError:  # the drainer cannot say: no blind removal
+            self.drains.labels(DrainOutcome.FAILED).inc()
+            raise
         return deployment_victims(pods, info, current - target)
 
     async def _set_cost(self, name: str, cost: int | None) -> None:
@@ -176,10 +194,7 @@ class KubernetesScaler:
         for v in victims:
             self.victims.labels(v.reason).inc()
         if ids:
-            await self.drainer.drain(ids)
-            if not await self.drainer.wait_drained(ids, self.drain_timeout_s):
-                log.warning("%s: %s not drained in %.0f s, removing them anyway",
-                            self.what, ids, self.drain_timeout_s)  # fmt: skip
+            await self._drain(ids)
         if self.resource == "deployments":
             for name in sorted(self._marked - set(ids)):
                 await self._set_cost(name, None)  # a stale mark would make it go instead
@@ -187,6 +202,20 @@ class KubernetesScaler:
                 await self._set_cost(name, LOWEST_DELETION_COST)
         await self.set_replicas(target)
         return victims
+
+    async def _drain(self, ids: list[str]) -> None:
+        try:
+            await self.drainer.drain(ids)
+            drained = await self.drainer.wait_drained(ids, self.drain_timeout_s)
+        except ControlPlaneError:
+            self.drains.labels(DrainOutcome.FAILED).inc()
+            raise
+        if drained:
+            self.drains.labels(DrainOutcome.DRAINED).inc()
+        else:
+            self.drains.labels(DrainOutcome.TIMED_OUT).inc()
+            log.warning("%s: %s not drained in %.0f s, removing them anyway",
+                        self.what, ids, self.drain_timeout_s)  # fmt: skip
 
     async def apply(self, target: int, decision: ScaleDecision, fleet: FleetObservation) -> bool:
         if self.mode != "kubernetes":
@@ -204,4 +233,4 @@ class KubernetesScaler:
         await self.api.aclose()
 
 
-__all__ = ["KubernetesScaler", "ScalerSettings"]
+__all__ = ["DrainOutcome", "KubernetesScaler", "ScalerSettings"]

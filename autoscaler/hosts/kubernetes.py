@@ -5,9 +5,11 @@
   scale-down first picks its victims (a StatefulSet's top ordinals, a Deployment's pods with the
   least in-flight and cached work), drains them through the `Drainer` (`autoscaler/victims.py`),
   sets `controller.kubernetes.io/pod-deletion-cost` on a Deployment's victims, and only then
-  PATCHes. `build(..., drainer=...)` takes the drainer; `serve()` has none yet (`NoDrainer`: no
-  load known, nothing waited on, so a Deployment's victims are its not-Ready pods, then by name)
-  until a drainer over the routers' admin API exists. 429/5xx/transport errors are retried with
+  PATCHes. The drainer is `build(..., drainer=...)`'s, else, when `admin_key_env` names the
+  variable holding the routers' admin key, a `RouterDrainer` over the routers' admin API
+  (`autoscaler/hosts/router_drainer.py`, the `routers` scraped), else `NoDrainer` (warned once:
+  no load known, nothing waited on, so a Deployment's victims are its not-Ready pods, then by
+  name, and their requests in flight are cut). 429/5xx/transport errors are retried with
   backoff, a 409 re-reads; anything else (401/403/404/422) raises `KubernetesApiError` with the
   API's own message. The controller logs and counts the error and tries again next tick.
 - `advisory`: reads the fleet if a Deployment/StatefulSet is named (GETs only), never PATCHes;
@@ -48,14 +50,15 @@ from autoscaler.controller import (
 )
 from autoscaler.hosts import FleetObservation
 from autoscaler.hosts.kube_scaler import KubernetesScaler, ScalerSettings
+from autoscaler.hosts.router_drainer import DrainerSettings, RouterDrainer
 from autoscaler.types import ScaleDecision, ScalingPolicy
-from autoscaler.victims import Drainer
+from autoscaler.victims import Drainer, NoDrainer
 from controlplane.errors import ConfigError, KubernetesApiError
 
 log = logging.getLogger("controlplane.autoscaler.kubernetes")
 
 
-class HostSettings(AutoscalerSettings, ScalerSettings):
+class HostSettings(AutoscalerSettings, ScalerSettings, DrainerSettings):
     """The standalone host: the controller's settings plus where the target goes."""
 
     listen_host: str = Field(default="0.0.0.0", description="Interface of /metrics and /keda.")
@@ -116,15 +119,40 @@ def build(
     actuator: KubernetesScaler | ObserveOnly
     if settings.target_ref() is None:
         actuator = ObserveOnly(settings.mode)
+        scrape_client = httpx.AsyncClient(timeout=settings.scrape_timeout_s)
     else:
+        key = settings.admin_key()  # before anything is opened: a ConfigError leaks nothing
         actuator = KubernetesScaler(
             settings, drainer=drainer, registry=metrics.registry, client=kube_client, sleep=sleep
         )
-    scrape_client = httpx.AsyncClient(timeout=settings.scrape_timeout_s)
+        scrape_client = httpx.AsyncClient(timeout=settings.scrape_timeout_s)
+        if drainer is None:  # the admin calls share the scrape client (closed with it)
+            actuator.drainer = router_drainer(settings, key, scrape_client, sleep)
     scraper = RouterScraper(settings.routers, settings.model, scrape_client)
     kwargs: dict[str, Any] = {"clock": clock} if clock is not None else {}
     controller = Controller(settings, policy, actuator, scraper, metrics=metrics, **kwargs)
     return controller, actuator, scrape_client
+
+
+def router_drainer(
+    settings: HostSettings,
+    admin_key: str | None,
+    client: httpx.AsyncClient,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> Drainer:
+    """The drainer over the routers' admin API when an admin key is configured; else
+    `NoDrainer`, with a warning in kubernetes mode (scale-down removes pods without a drain)."""
+    if admin_key is None:
+        if settings.mode == "kubernetes":
+            log.warning(
+                "no admin_key_env (CP_AUTOSCALER_ADMIN_KEY_ENV): scale-down without drain, "
+                "the removed pods' requests in flight are cut"
+            )
+        return NoDrainer()
+    return RouterDrainer(
+        settings.routers, admin_key, poll_s=settings.drain_poll_s,
+        timeout_s=settings.admin_timeout_s, client=client, sleep=sleep,
+    )  # fmt: skip
 
 
 async def serve(settings: HostSettings) -> None:
@@ -158,5 +186,6 @@ __all__ = [
     "ScalerSettings",
     "build",
     "metrics_app",
+    "router_drainer",
     "serve",
 ]

@@ -62,6 +62,13 @@ def run_cmd(
     drain_timeout_s: Annotated[
         float | None, typer.Option(help="Longest wait for scale-down victims to drain.")
     ] = None,
+    admin_key_env: Annotated[
+        str | None,
+        typer.Option(
+            help="Environment variable holding the routers' admin key: scale-down victims are "
+            "drained through the routers first ('' = removed without a drain)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="Log level.")] = "info",
 ) -> None:
     """Scrape the routers every tick, decide with the policy, actuate through MODE.
@@ -73,6 +80,7 @@ def run_cmd(
         "statefulset": statefulset, "policy": policy, "model": model, "tick_s": tick_s,
         "load_time_s": load_time_s, "min_replicas": min_replicas, "max_replicas": max_replicas,
         "listen_port": listen_port, "api_url": api_url, "drain_timeout_s": drain_timeout_s,
+        "admin_key_env": admin_key_env,
     }  # fmt: skip
     explicit = {k: v for k, v in given.items() if v is not None}
     if routers is not None:
@@ -87,8 +95,10 @@ def run_cmd(
         raise ConfigError("no routers to scrape: pass --routers or set CP_AUTOSCALER_ROUTERS")
     out.print(
         f"autoscaler: mode [bold]{settings.mode}[/], policy {settings.policy}, "
-        f"{len(settings.routers)} router(s), /metrics on :{settings.listen_port}"
-    )
+        f"{len(settings.routers)} router(s), /metrics on :{settings.listen_port}, "
+        + (f"drain through the routers (key in ${settings.admin_key_env})"
+           if settings.admin_key_env else "[yellow]scale-down without drain[/]")
+    )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve(settings))
 

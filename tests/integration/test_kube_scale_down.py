@@ -16,7 +16,7 @@ import pytest
 from fake_kube import NS, FakeKube
 
 from autoscaler.hosts import FleetObservation
-from autoscaler.hosts.kube_scaler import KubernetesScaler, ScalerSettings
+from autoscaler.hosts.kube_scaler import DrainOutcome, KubernetesScaler, ScalerSettings
 from autoscaler.types import ScaleDecision, ScaleReason
 from autoscaler.victims import VictimInfo, VictimReason
 from controlplane.kube.pods import DELETION_COST
@@ -101,6 +101,7 @@ async def test_deployment_victim_is_drained_annotated_then_scaled(kube: FakeKube
     # the ReplicaSet removed the cheapest pod: the drained one
     assert sorted(kube.pods) == [busy, cached]
     assert scaler.victims.labels(VictimReason.LEAST_WORK)._value.get() == 1
+    assert scaler.drains.labels(DrainOutcome.DRAINED)._value.get() == 1
 
 
 async def test_a_stale_mark_is_removed_before_the_victim_is_marked(kube: FakeKube) -> None:
@@ -135,6 +136,7 @@ async def test_deployment_prefers_unready_and_unknown_pods(kube: FakeKube) -> No
     assert sorted(kube.pods) == [a, b]
     assert scaler.victims.labels(VictimReason.NOT_READY)._value.get() == 1
     assert scaler.victims.labels(VictimReason.UNKNOWN_TO_ROUTER)._value.get() == 1
+    assert scaler.drains.labels(DrainOutcome.TIMED_OUT)._value.get() == 1
 
 
 async def test_statefulset_top_ordinals_are_drained_then_scaled(kube: FakeKube) -> None:
