@@ -195,6 +195,7 @@ def _up_autoscaled(
     from deploy.local_autoscale import router_config, serve_autoscaled
     from deploy.redis_local import RedisServer, available
     from router.config import load_settings
+    from router.telemetry import configure_logging
 
     redis: RedisServer | None = None
     try:
@@ -207,6 +208,7 @@ def _up_autoscaled(
             redis_url = redis.url
         config = router_config(opts, redis_url=redis_url, host=host, port=port, policy=policy)
         settings = load_settings(**config)
+        configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
         _progress(f"prefix index and fleet registry: Redis at {redis_url}")
         err.print(
             Panel(
