@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,13 +73,13 @@ class Ramp:
     def departures(self, step_s: float = 0.01) -> list[float]:
         """The send times over the whole ramp (integral of the rate reaching 1, 2, ...)."""
         out: list[float] = []
-        acc, t = 0.0, 0.0
-        while t < self.duration_s:
-            acc += self.rate_at(t + step_s / 2) * step_s
-            t += step_s
+        acc, end = 0.0, self.duration_s
+        for i in range(math.ceil(end / step_s)):
+            t0, t1 = i * step_s, min(end, (i + 1) * step_s)
+            acc += self.rate_at((t0 + t1) / 2) * (t1 - t0)
             while acc >= 1.0:
                 acc -= 1.0
-                out.append(round(t, 6))
+                out.append(t1)
         return out
 
 
