@@ -66,6 +66,16 @@ class AutoscaleOptions:
     timeline: Path | None = None  # JSON lines: ticks and provider events
     policy_params: dict[str, Any] = field(default_factory=dict)  # HeadroomConfig overrides
 
+    def __post_init__(self) -> None:
+        if self.load_time_s < 0:
+            raise ConfigError("the load time must be >= 0 seconds")
+        if self.tick_s <= 0 or self.drain_timeout_s <= 0:
+            raise ConfigError("the tick and the drain timeout must be > 0 seconds")
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
+            raise ConfigError(
+                f"need 0 <= min ({self.min_replicas}) <= max ({self.max_replicas}), max >= 1"
+            )
+
 
 def local_policy(
     load_time_s: float,
@@ -203,7 +213,8 @@ async def serve_autoscaled(settings: RouterSettings, opts: AutoscaleOptions) -> 
                 routers=[url, *opts.peer_routers],
                 model=settings.served_model or "",
                 tick_s=opts.tick_s,
-                load_time_s=opts.load_time_s,
+                # the first estimate of the lead time (then measured); never under one tick
+                load_time_s=max(opts.load_time_s, opts.tick_s),
                 min_replicas=opts.min_replicas,
                 max_replicas=opts.max_replicas,
             )

@@ -13,7 +13,9 @@ Every router sharing the registry probes a new member and routes to it only once
 Scale down, in this order, so no request is cut and none reaches a replica on its way out:
 
     1. victims: `autoscaler.victims.deployment_victims` over the live replicas: not READY
-       first, then unknown to the routers, then least in flight (the routers' observations)
+       first, then unknown to the routers, then least in flight (the routers' observations;
+       the registry does not know a replica's cached blocks, so they count as 0 and the name
+       breaks ties)
     2. drain: `registry.drain(victims)`, then `registry.wait_drained(victims, drain_timeout_s)`:
        GONE once every live router has applied the drain and has nothing in flight there (on
        a timeout the scale-down goes on, logged)

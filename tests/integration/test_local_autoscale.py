@@ -197,6 +197,13 @@ def test_ramp_up_and_down_through_two_routers(redis_server: RedisServer, tmp_pat
                 return any(e["kind"] == "stopped" for e in _timeline(timeline)[1])
 
             wait_until(scaled_down, 120.0, "a scale-down to complete", 0.5)
+
+        # the autoscaler's decisions are in the status of the router it runs in
+        def scale_down_shown() -> bool:
+            scaling = httpx.get(f"{url_a}/admin/status", timeout=5.0).json()["autoscaler"]
+            return "scale_down" in {e["reason"] for e in scaling}
+
+        wait_until(scale_down_shown, 30.0, "the scale-down in router A's status", 0.5)
         os.kill(up.pid, 15)
         os.kill(router_b.pid, 15)
         assert up.wait(60.0) == 0, log_a.read_text()[-3000:]

@@ -11,7 +11,12 @@ from autoscaler.controller import TickResult
 from autoscaler.hosts import FleetObservation
 from autoscaler.types import DemandSample, ScaleDecision, ScaleReason
 from controlplane.errors import ConfigError
-from deploy.local_autoscale import REFERENCE_LOAD_TIME_S, Timeline, local_policy
+from deploy.local_autoscale import (
+    REFERENCE_LOAD_TIME_S,
+    AutoscaleOptions,
+    Timeline,
+    local_policy,
+)
 from deploy.local_provider import EventKind, ProviderEvent
 
 
@@ -56,3 +61,24 @@ def test_timeline_rows(tmp_path: Path) -> None:
     }  # fmt: skip
     assert event == {"kind": "gone", "t": 5.5, "replica": "local-1", "served": 7, "running": 0,
                      "detail": ""}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"load_time_s": -1.0},
+        {"tick_s": 0.0},
+        {"drain_timeout_s": 0.0},
+        {"min_replicas": 3, "max_replicas": 2},
+        {"min_replicas": -1},
+        {"min_replicas": 0, "max_replicas": 0},
+    ],
+)
+def test_options_refuse_nonsense(kw: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        AutoscaleOptions(**kw)  # type: ignore[arg-type]
+
+
+def test_options_defaults_are_valid() -> None:
+    opts = AutoscaleOptions()
+    assert opts.min_replicas <= opts.initial_replicas <= opts.max_replicas
