@@ -12,7 +12,9 @@ streamed requests goes through both routers, up and down. Asserted:
   after that router logged the replica READY and not after it logged it DRAINING: both routers
   route to a new replica only once it is ready and never to one that is draining (the ring's
   stamps and the log's come from the same process's wall clock);
-- both routers routed to a replica the autoscaler added.
+- both routers routed to a replica the autoscaler added;
+- after SIGTERM to `up` every replica it started is gone (its port refuses connections), and
+  the scale-down shows in router A's status (the autoscaler's decisions).
 
 The run's timeline (ordered, ready, draining replicas, demand) is plotted to the test's tmp
 dir; with CP_UPDATE_DOC_IMAGES=1 also to docs/img/local_autoscale.png (docs/autoscaling.md).
@@ -25,6 +27,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -58,6 +61,13 @@ def _serving(url: str, child: Child, log: Path) -> bool:
         r = httpx.get(f"{url}/ready", timeout=2.0)
         return r.status_code == 200 and r.json()["ready_replicas"] >= 1
     return False
+
+
+def _refused(url: str) -> bool:
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, int(port))) != 0
 
 
 def _log_events(log: Path) -> dict[str, dict[str, float]]:
@@ -212,12 +222,16 @@ def test_ramp_up_and_down_through_two_routers(redis_server: RedisServer, tmp_pat
         up.stop(10.0)
         router_b.stop(10.0)
 
+    # nothing left behind: every replica the provider started refuses connections now
+    ticks, events = _timeline(timeline)
+    urls = [e["detail"] for e in events if e["kind"] == "spawned"]
+    wait_until(lambda: all(_refused(u) for u in urls), 10.0, "every replica process gone")
+
     # every request succeeded
     failed = [r for r in result.records if not r.ok]
     assert not failed, failed[:5]
     assert len(result.records) == len(ramp.departures())
 
-    ticks, events = _timeline(timeline)
     _plot(ticks, events, tmp_path / "local_autoscale.png")
     if os.environ.get("CP_UPDATE_DOC_IMAGES") == "1":
         shutil.copyfile(tmp_path / "local_autoscale.png", ROOT / "docs/img/local_autoscale.png")
@@ -243,6 +257,8 @@ def test_ramp_up_and_down_through_two_routers(redis_server: RedisServer, tmp_pat
     added = {n for n in joined if n != "local-0"}
     for url, log in ((url_a, log_a), (url_b, log_b)):
         marks = _log_events(log)
+        # this router applied every drain (so the bound below is a real one)
+        assert set(stopped) <= set(marks["replica draining"]), (url, stopped, marks)
         decisions = poller.seen[url]
         assert decisions, url
         for at_s, replica in decisions:
