@@ -146,7 +146,11 @@ class LocalProvider:
         return sum(r.leaving for r in self.replicas.values())
 
     async def scale_up(self, n: int) -> list[str]:
-        started = [await asyncio.to_thread(self._spawn) for _ in range(n)]
+        await asyncio.to_thread(self._prepare)  # the tiny model, made once (slow the first time)
+        # spawned from the loop's own thread: when that is the main thread, the kernel stops
+        # the replicas if this process dies without stopping them (PR_SET_PDEATHSIG; a worker
+        # thread's exit would fire it too early)
+        started = [self._spawn() for _ in range(n)]
         await self._report()
         return started
 
@@ -219,6 +223,10 @@ class LocalProvider:
 
     # -- processes --------------------------------------------------------------------------------
     def _prepare(self) -> tuple[Path, Path]:
+        with self._lock:
+            return self._prepared()
+
+    def _prepared(self) -> tuple[Path, Path]:
         if self._model_dir is None or self._log_dir is None:
             from deploy.tiny_model import default_model_dir, make_tiny_model
 
@@ -236,7 +244,7 @@ class LocalProvider:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the local provider is closed")
-            model_dir, log_dir = self._prepare()
+            model_dir, log_dir = self._prepared()
             index, self._next = self._next, self._next + 1
             http, events, replay = free_ports(3, self.spec.host)
             launch = ReplicaLaunch(
