@@ -29,7 +29,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,10 @@ class AutoscaleOptions:
             raise ConfigError("the load time must be >= 0 seconds")
         if self.tick_s <= 0 or self.drain_timeout_s <= 0:
             raise ConfigError("the tick and the drain timeout must be > 0 seconds")
+        known = {f.name for f in fields(HeadroomConfig)} - {"capacity", "forecast"}
+        unknown = sorted(set(self.policy_params) - known)
+        if unknown:
+            raise ConfigError(f"unknown headroom parameter(s) {unknown}")
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
             raise ConfigError(
                 f"need 0 <= min ({self.min_replicas}) <= max ({self.max_replicas}), max >= 1"

@@ -157,6 +157,10 @@ def up_cmd(
         Path | None,
         typer.Option(help="--autoscale: append every decision and replica event (JSON lines)."),
     ] = None,
+    policy_param: Annotated[
+        list[str] | None,
+        typer.Option(help="--autoscale: KEY=VALUE (JSON value) headroom override, repeatable."),
+    ] = None,
 ) -> None:
     """A private Redis, simulated vLLM replicas and the router in front; Ctrl-C or SIGTERM stops
     all (the router first drains: router/http/shutdown.py)."""
@@ -173,6 +177,7 @@ def up_cmd(
             load_time_s=load_time_s, min_replicas=min_replicas, max_replicas=max_replicas,
             initial_replicas=replicas, tick_s=tick_s, speed=speed,
             peer_routers=tuple(peer_router or ()), timeline=timeline,
+            policy_params=_policy_params(policy_param or []),
         )  # fmt: skip
         try:
             _up_autoscaled(opts, host, port, policy, redis_url)
@@ -185,6 +190,21 @@ def up_cmd(
         _up(stack, host, port, policy)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+def _policy_params(items: list[str]) -> dict[str, object]:
+    import json
+
+    params: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--policy-param expects KEY=VALUE, got {item!r}")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"--policy-param {key}: {value!r} is not a JSON value") from None
+    return params
 
 
 def _up_autoscaled(

@@ -61,6 +61,8 @@ def test_sim_replica_refuses_connections_while_it_loads(tmp_path: Path) -> None:
         (["load", "--url", "http://127.0.0.1:9", "--ramp", "0:1,x"], "is not T:RATE"),
         (["load", "--url", "http://127.0.0.1:9", "--ramp", "10:1,5:2"], "must increase"),
         (["up", "--autoscale", "--min", "3", "--max", "2"], "min (3) <= max (2)"),
+        (["up", "--autoscale", "--policy-param", "nonsense=1"], "unknown headroom parameter"),
+        (["up", "--autoscale", "--policy-param", "spare"], "expects KEY=VALUE"),
     ],
 )
 def test_bad_input_is_one_error_line(argv: list[str], message: str) -> None:

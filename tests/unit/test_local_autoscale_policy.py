@@ -72,9 +72,11 @@ def test_timeline_rows(tmp_path: Path) -> None:
         {"min_replicas": 3, "max_replicas": 2},
         {"min_replicas": -1},
         {"min_replicas": 0, "max_replicas": 0},
+        {"policy_params": {"nonsense": 1}},
+        {"policy_params": {"capacity": 1}},
     ],
 )
-def test_options_refuse_nonsense(kw: dict[str, float]) -> None:
+def test_options_refuse_nonsense(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError):
         AutoscaleOptions(**kw)  # type: ignore[arg-type]
 
