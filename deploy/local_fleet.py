@@ -84,6 +84,9 @@ class FleetSpec:
     kv_cache_gib: int = 1  # vLLM CPU: VLLM_CPU_KVCACHE_SPACE
     num_gpu_blocks: int | None = None  # vLLM: --num-gpu-blocks-override; sim: --num-gpu-blocks
     speed: float = 1.0  # sim only
+    load_time_s: float = 0.0  # sim only: seconds before a replica listens (vLLM loading)
+    sim_gpu: str = "cpu"  # sim only: the roofline profile its step times follow
+    sim_model: str = "tiny-llama"
     topic: str = DEFAULT_TOPIC
     kv_events: bool = True
     python_hash_seed: str = "0"
@@ -208,8 +211,8 @@ def sim_argv(r: ReplicaLaunch) -> list[str]:
         "--port", str(r.port),
         "--model-name", s.model_name,
         "--model-dir", str(r.model_dir),
-        "--gpu", "cpu",
-        "--model", "tiny-llama",
+        "--gpu", s.sim_gpu,
+        "--model", s.sim_model,
         "--block-size", str(s.block_size),
         "--max-num-seqs", str(s.max_num_seqs),
         "--max-model-len", str(s.max_model_len),
@@ -217,6 +220,8 @@ def sim_argv(r: ReplicaLaunch) -> list[str]:
     ]  # fmt: skip
     if s.num_gpu_blocks:
         argv += ["--num-gpu-blocks", str(s.num_gpu_blocks)]
+    if s.load_time_s > 0:
+        argv += ["--load-time-s", str(s.load_time_s)]
     if s.kv_events:
         argv += [
             "--kv-events-endpoint", r.events_bind,

@@ -15,8 +15,10 @@ from rich.panel import Panel
 from rich.text import Text
 
 from controlplane.cli import app
+from controlplane.errors import ConfigError
 
 if TYPE_CHECKING:
+    from deploy.local_autoscale import AutoscaleOptions
     from deploy.local_stack import LocalStack
 
 err = Console(stderr=True)
@@ -123,6 +125,42 @@ def up_cmd(
         bool, typer.Option("--no-redis", help="Use the in-memory index, not a private Redis.")
     ] = False,
     speed: Annotated[float, typer.Option(help="Simulated time speed-up.")] = 1.0,
+    autoscale: Annotated[
+        bool,
+        typer.Option(
+            "--autoscale",
+            help="Start with --replicas and let the headroom autoscaler size the fleet: it "
+            "starts and drains local replicas (deploy/local_autoscale.py).",
+        ),
+    ] = False,
+    load_time_s: Annotated[
+        float, typer.Option(min=0, help="--autoscale: seconds a new replica takes to load.")
+    ] = 20.0,
+    min_replicas: Annotated[
+        int, typer.Option("--min", min=0, help="--autoscale: fewest replicas.")
+    ] = 1,
+    max_replicas: Annotated[
+        int, typer.Option("--max", min=1, help="--autoscale: most replicas.")
+    ] = 4,
+    tick_s: Annotated[
+        float, typer.Option(min=0.1, help="--autoscale: seconds between decisions.")
+    ] = 2.0,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="--autoscale: share this Redis instead of starting a private one."),
+    ] = None,
+    peer_router: Annotated[
+        list[str] | None,
+        typer.Option(help="--autoscale: another router sharing the registry (its demand)."),
+    ] = None,
+    timeline: Annotated[
+        Path | None,
+        typer.Option(help="--autoscale: append every decision and replica event (JSON lines)."),
+    ] = None,
+    policy_param: Annotated[
+        list[str] | None,
+        typer.Option(help="--autoscale: KEY=VALUE (JSON value) headroom override, repeatable."),
+    ] = None,
 ) -> None:
     """A private Redis, simulated vLLM replicas and the router in front; Ctrl-C or SIGTERM stops
     all (the router first drains: router/http/shutdown.py)."""
@@ -132,12 +170,85 @@ def up_cmd(
     # while it serves, the router's own handler drains it and `_run_router` returns
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
+    if autoscale:
+        from deploy.local_autoscale import AutoscaleOptions
+
+        opts = AutoscaleOptions(
+            load_time_s=load_time_s, min_replicas=min_replicas, max_replicas=max_replicas,
+            initial_replicas=replicas, tick_s=tick_s, speed=speed,
+            peer_routers=tuple(peer_router or ()), timeline=timeline,
+            policy_params=_policy_params(policy_param or []),
+        )  # fmt: skip
+        try:
+            _up_autoscaled(opts, host, port, policy, redis_url)
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        return
     stack = LocalStack(replicas=replicas, redis=not no_redis, speed=speed, log=_progress)
     _progress(f"starting {'a private Redis and ' if not no_redis else ''}{replicas} replicas")
     try:
         _up(stack, host, port, policy)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+def _policy_params(items: list[str]) -> dict[str, object]:
+    import json
+
+    params: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--policy-param expects KEY=VALUE, got {item!r}")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            raise ConfigError(f"--policy-param {key}: {value!r} is not a JSON value") from None
+    return params
+
+
+def _up_autoscaled(
+    opts: AutoscaleOptions, host: str, port: int, policy: str, redis_url: str | None
+) -> None:
+    import asyncio
+
+    from deploy.local_autoscale import router_config, serve_autoscaled
+    from deploy.redis_local import RedisServer, available
+    from router.config import load_settings
+    from router.telemetry import configure_logging
+
+    redis: RedisServer | None = None
+    try:
+        if redis_url is None:
+            if not available():
+                raise ConfigError("--autoscale shares its fleet through Redis: install "
+                                  "redis-server or pass --redis-url")  # fmt: skip
+            redis = RedisServer()
+            redis.start()
+            redis_url = redis.url
+        config = router_config(opts, redis_url=redis_url, host=host, port=port, policy=policy)
+        settings = load_settings(**config)
+        configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
+        _progress(f"prefix index and fleet registry: Redis at {redis_url}")
+        err.print(
+            Panel(
+                f"controlplane load --url http://{host}:{port} --ramp 0:1,60:8,120:8,180:1\n"
+                f"controlplane status --url http://{host}:{port}",
+                title=f"router on http://{host}:{port} ({policy}), autoscaling "
+                f"{opts.min_replicas}..{opts.max_replicas} replicas loading "
+                f"{opts.load_time_s:g} s; Ctrl-C stops everything",
+            )
+        )
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                asyncio.run(serve_autoscaled(settings, opts))
+            _progress("stopping")
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+    finally:
+        if redis is not None:
+            redis.stop()
 
 
 def _interrupt(signum: int, _frame: object) -> None:

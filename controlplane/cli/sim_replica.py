@@ -83,6 +83,14 @@ def sim_replica_cmd(
         list[str] | None,
         typer.Option(help="NAME[=VALUE], repeatable: see controlplane.sim_replica.faults."),
     ] = None,
+    load_time_s: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            help="Seconds before the replica listens (as vLLM loading its weights: connections "
+            "are refused until then).",
+        ),
+    ] = 0.0,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
 ) -> None:
     """Serve a simulated vLLM replica: OpenAI API, /metrics, KV events, fault knobs."""
@@ -121,7 +129,7 @@ def sim_replica_cmd(
     def ready(url: str) -> None:
         print(f"{READY_PREFIX}{url}", flush=True)
 
-    run_replica(config, host, port, log_level=log_level, on_ready=ready)
+    run_replica(config, host, port, log_level=log_level, on_ready=ready, load_time_s=load_time_s)
 
 
 app.command("sim-replica")(sim_replica_cmd)

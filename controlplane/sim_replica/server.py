@@ -3,7 +3,8 @@
 `run_replica(config, host, port)` serves until SIGINT or SIGTERM, then shuts down cleanly:
 uvicorn stops accepting, gives open connections `GRACEFUL_S` to finish, and the app's lifespan
 stops the engine loop and closes the ZMQ sockets; the process exits with status 0. When the
-server listens it calls `on_ready(url)` (the CLI prints `sim-replica ready at <url>`).
+server listens it calls `on_ready(url)` (the CLI prints `sim-replica ready at <url>`). With a
+load time it listens only after that many seconds, as vLLM does while it loads the model.
 
 The refuse fault closes the listening socket and aborts every open connection, so clients get
 "connection refused" and broken streams, then (unless forever) binds the same port again.
@@ -145,10 +146,15 @@ def run_replica(
     *,
     log_level: str = "warning",
     on_ready: Callable[[str], None] | None = None,
+    load_time_s: float = 0.0,
 ) -> None:
-    """Serve one simulated replica until SIGINT/SIGTERM."""
+    """Serve one simulated replica until SIGINT/SIGTERM. `load_time_s`: nothing listens for
+    that long first (vLLM refuses connections while it loads the model); a signal during the
+    wait ends the process at once (the default handlers are still in place)."""
 
     async def main() -> None:
+        if load_time_s > 0:
+            await asyncio.sleep(load_time_s)
         server = ReplicaServer(Replica(config), host, port, log_level=log_level)
         await server.serve(on_ready)
 

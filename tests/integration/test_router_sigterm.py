@@ -209,6 +209,10 @@ def _refused(port: int) -> bool:
     [
         pytest.param(["up", "--replicas", "2"], id="up"),
         pytest.param(["up", "--replicas", "1", "--no-redis"], id="up-no-redis"),
+        pytest.param(
+            ["up", "--autoscale", "--replicas", "2", "--min", "2", "--load-time-s", "1"],
+            id="up-autoscale",
+        ),
         pytest.param(["fleet", "up", "--replicas", "2", "--base-port", "0"], id="fleet-up"),
     ],
 )
