@@ -375,3 +375,29 @@ def test_random_dense_shapes_grow_with_layers(
     deep = spec("llama-3.1-8b-instruct", num_hidden_layers=layers + more, **shape)
     assert deep.weight_bytes > shallow.weight_bytes
     assert deep.kv_bytes_per_token == shallow.kv_bytes_per_token * (layers + more) // layers
+
+
+# -- KV capacity of profiles built from config.json (numbers.md §5, published figures) ----------
+@pytest.mark.parametrize(
+    ("fixture", "gpu_key", "tp", "low", "high"),
+    [
+        # the derived capacities of the reference (gpu_memory_utilization 0.9)
+        ("llama-3.1-8b-instruct", "h100", 1, 437_000, 441_000),
+        ("llama-3.1-8b-instruct", "h200", 1, 888_000, 892_000),
+        ("llama-3.1-8b-instruct", "a100", 1, 436_000, 441_000),
+        ("llama-3.1-70b-instruct", "h100", 4, 464_000, 471_000),
+        ("llama-3.1-70b-instruct", "h200", 4, 1_180_000, 1_200_000),
+        ("llama-3.1-70b-instruct", "h100", 8, 1_355_000, 1_370_000),
+        # llm-d's benchmark: 307,328 KV tokens per pod for Qwen3-32B on 2 x H100 (within 2%: its
+        # memory utilization and reserve are not published)
+        ("qwen3-32b", "h100", 2, 301_181, 313_475),
+    ],
+    ids=lambda v: str(v),
+)
+def test_profiles_from_config_json_hold_the_published_kv_capacity(
+    monkeypatch: pytest.MonkeyPatch, fixture: str, gpu_key: str, tp: int, low: int, high: int
+) -> None:
+    monkeypatch.setitem(MODELS, fixture, spec(fixture))
+    prof = profile(gpu_key, fixture, tp=tp)
+    assert low <= prof.kv_capacity_tokens <= high
+    assert prof.num_gpu_blocks == prof.kv_capacity_tokens // 16
