@@ -129,7 +129,8 @@ async def test_a_dead_routers_reservations_expire_and_its_heartbeat_goes(
     live = make_store(heartbeat_s=0.2)
     assert await live.heartbeat() == 1
     # reserves 5 x (prompt + 30), then hangs
-    dead = store_process(redis_server.url, 5, 0, ttl=0.5)
+    # a TTL long enough that a loaded machine reads its output before anything expires
+    dead = store_process(redis_server.url, 5, 0, ttl=2.0)
     assert dead.stdout is not None
     held = json.loads(dead.stdout.readline())
     assert dead.stdout.readline().strip() == b"holding"
@@ -138,7 +139,7 @@ async def test_a_dead_routers_reservations_expire_and_its_heartbeat_goes(
     t = Tenant("acme", quota_tokens=3000, quota_window_s=600.0)
     stats = await live.stats("acme")
     assert stats.open == 5
-    await asyncio.sleep(0.7)  # past the reservations' TTL (and the dead heartbeat's 3 x 0.2 s)
+    await asyncio.sleep(2.3)  # past the reservations' TTL and the dead heartbeat's (3 x ttl / 3)
     stats = await live.stats("acme")
     assert (stats.open, stats.expired, stats.settled) == (0, 5, 0)
     res = await live.reserve(t, 0, 1, default_cap=64)
