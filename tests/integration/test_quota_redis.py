@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,14 @@ pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
 Factory = Callable[..., RedisQuotaStore]
 
 
+async def clear_of_window_boundary(window_s: float = 600.0, margin_s: float = 20.0) -> None:
+    """Fixed windows start at multiples of `window_s` (epoch time): a test that must stay in one
+    window waits out a boundary less than `margin_s` away instead of straddling it."""
+    left = window_s - time.time() % window_s
+    if left < margin_s:
+        await asyncio.sleep(left + 0.1)
+
+
 async def try_reserve(
     store: RedisQuotaStore | MemoryQuotaStore, t: Tenant, prompt: int, max_tokens: int | None
 ) -> Reservation | QuotaReason:
@@ -42,6 +51,7 @@ async def try_reserve(
 
 
 async def test_concurrent_reservations_never_exceed_the_quota(make_store: Factory) -> None:
+    await clear_of_window_boundary()
     stores = [make_store() for _ in range(4)]  # four routers' stores, one event loop
     t = Tenant("acme", quota_tokens=5000, quota_window_s=600.0)
     rng = random.Random(7)
@@ -96,6 +106,7 @@ def store_process(url: str, n: int, seed: int, ttl: float = 900.0) -> Child:
 async def test_reservations_from_several_processes_never_exceed_the_quota(
     make_store: Factory, redis_server: RedisServer
 ) -> None:
+    await clear_of_window_boundary()
     procs = [store_process(redis_server.url, 40, seed) for seed in range(3)]
     outs = [p.proc.communicate(timeout=30)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs)
@@ -107,6 +118,7 @@ async def test_reservations_from_several_processes_never_exceed_the_quota(
 
 
 async def test_a_reservation_settles_exactly_once(make_store: Factory) -> None:
+    await clear_of_window_boundary()
     a, b = make_store(), make_store()
     t = Tenant("acme", quota_tokens=1000, quota_window_s=600.0)
     res = await a.reserve(t, 20, 80, default_cap=64)
@@ -126,6 +138,7 @@ async def test_a_reservation_settles_exactly_once(make_store: Factory) -> None:
 async def test_a_dead_routers_reservations_expire_and_its_heartbeat_goes(
     make_store: Factory, redis_server: RedisServer
 ) -> None:
+    await clear_of_window_boundary()
     live = make_store(heartbeat_s=0.2)
     assert await live.heartbeat() == 1
     # reserves 5 x (prompt + 30), then hangs
