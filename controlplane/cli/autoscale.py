@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import typer
 
 from controlplane.cli import app
+from controlplane.errors import ConfigError
 
 autoscale_app = typer.Typer(
     help="The headroom autoscaler: backtest policies on traces, run the controller.",
@@ -13,4 +17,21 @@ autoscale_app = typer.Typer(
 )
 app.add_typer(autoscale_app, name="autoscale")
 
-__all__ = ["autoscale_app"]
+__all__ = ["autoscale_app", "policy_params"]
+
+
+def policy_params(items: list[str], *, strings: bool) -> dict[str, Any]:
+    """`--policy-param KEY=VALUE` options as the policy factory's keyword arguments: each VALUE is
+    JSON; one that is not is kept as a string when `strings`, else refused (ConfigError)."""
+    params: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--policy-param expects KEY=VALUE, got {item!r}")
+        try:
+            params[key] = json.loads(value)
+        except ValueError:
+            if not strings:
+                raise ConfigError(f"--policy-param {key}: {value!r} is not a JSON value") from None
+            params[key] = value
+    return params

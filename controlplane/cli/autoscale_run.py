@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from typing import Annotated, Any
 
@@ -12,23 +11,10 @@ import typer
 from rich.console import Console
 
 from autoscaler.hosts.kubernetes import HostSettings, serve
-from controlplane.cli.autoscale import autoscale_app
+from controlplane.cli.autoscale import autoscale_app, policy_params
 from controlplane.errors import ConfigError
 
 out = Console(stderr=True)
-
-
-def _params(items: list[str]) -> dict[str, Any]:
-    params: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--policy-param expects KEY=VALUE, got {item!r}")
-        try:
-            params[key] = json.loads(value)
-        except ValueError:
-            params[key] = value
-    return params
 
 
 @autoscale_app.command("run")
@@ -86,7 +72,7 @@ def run_cmd(
     if routers is not None:
         explicit["routers"] = [u.strip() for u in routers.split(",") if u.strip()]
     if policy_param:
-        explicit["policy_params"] = _params(policy_param)
+        explicit["policy_params"] = policy_params(policy_param, strings=True)
     try:
         settings = HostSettings(**explicit)
     except ValueError as exc:

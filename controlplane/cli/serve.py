@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.text import Text
 
 from controlplane.cli import app
+from controlplane.cli.autoscale import policy_params
 from controlplane.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -177,7 +178,7 @@ def up_cmd(
             load_time_s=load_time_s, min_replicas=min_replicas, max_replicas=max_replicas,
             initial_replicas=replicas, tick_s=tick_s, speed=speed,
             peer_routers=tuple(peer_router or ()), timeline=timeline,
-            policy_params=_policy_params(policy_param or []),
+            policy_params=policy_params(policy_param or [], strings=False),
         )  # fmt: skip
         try:
             _up_autoscaled(opts, host, port, policy, redis_url)
@@ -190,21 +191,6 @@ def up_cmd(
         _up(stack, host, port, policy)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
-
-
-def _policy_params(items: list[str]) -> dict[str, object]:
-    import json
-
-    params: dict[str, object] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--policy-param expects KEY=VALUE, got {item!r}")
-        try:
-            params[key] = json.loads(value)
-        except ValueError:
-            raise ConfigError(f"--policy-param {key}: {value!r} is not a JSON value") from None
-    return params
 
 
 def _up_autoscaled(
