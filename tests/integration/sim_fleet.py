@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -162,3 +163,18 @@ def sim_replica(*args: str, env: Mapping[str, str] | None = None) -> Iterator[Si
     finally:
         replica.stop()
         assert not group_alive(replica.pid), "the sim replica left processes behind"
+
+
+@contextlib.contextmanager
+def sim_replicas(replicas: dict[str, SimReplica]) -> Iterator[dict[str, SimReplica]]:
+    """`replicas` started in parallel; on exit every started one is stopped and its process
+    group checked gone."""
+    try:
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            list(pool.map(SimReplica.start, replicas.values()))
+        yield replicas
+    finally:
+        for r in replicas.values():
+            if r.child is not None:
+                r.stop()
+                assert not group_alive(r.pid), "a sim replica left processes behind"

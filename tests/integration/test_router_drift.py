@@ -6,7 +6,6 @@ out of prefix affinity; a match on a replica of the majority still wins."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,11 +21,10 @@ from router_fixtures import (
     sim_args,
 )
 from router_harness import RouterServer
-from sim_fleet import SimReplica
+from sim_fleet import SimReplica, sim_replicas
 
 from controlplane.tenancy.model import DEFAULT_TENANT
 from controlplane.types import DecisionReason
-from deploy.processes import group_alive
 from deploy.tiny_model import make_tiny_model
 from router.http.openai_api import CompletionRequest
 
@@ -49,15 +47,8 @@ def sims(model_dir: Path) -> Iterator[dict[str, SimReplica]]:
         rid: SimReplica(*sim_args(model_dir, speed=20.0), "--block-size", str(bs))
         for rid, bs in BLOCKS.items()
     }
-    try:
-        with ThreadPoolExecutor(len(reps)) as pool:
-            list(pool.map(SimReplica.start, reps.values()))
+    with sim_replicas(reps):
         yield reps
-    finally:
-        for r in reps.values():
-            if r.child is not None:
-                r.stop()
-                assert not group_alive(r.pid), "a sim replica left processes behind"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ the one its replicas report."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -22,9 +21,8 @@ from router_fixtures import (
     sim_args,
 )
 from router_harness import RouterServer
-from sim_fleet import SimReplica
+from sim_fleet import SimReplica, sim_replicas
 
-from deploy.processes import group_alive
 from deploy.tiny_model import make_tiny_model
 from router.config import load_settings
 
@@ -48,15 +46,8 @@ def sims(model_dir: Path) -> Iterator[dict[str, SimReplica]]:
         return SimReplica(*args, "--max-model-len", str(CONTEXT[model]))
 
     reps = {"m1": sim(MAIN), "m2": sim(MAIN), "o1": sim(OTHER)}
-    try:
-        with ThreadPoolExecutor(len(reps)) as pool:
-            list(pool.map(SimReplica.start, reps.values()))
+    with sim_replicas(reps):
         yield reps
-    finally:
-        for r in reps.values():
-            if r.child is not None:
-                r.stop()
-                assert not group_alive(r.pid), "a sim replica left processes behind"
 
 
 @pytest.fixture(scope="module")

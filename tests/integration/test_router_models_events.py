@@ -6,7 +6,6 @@ hashes it for `tiny-other` (they would never match if keyed by the configured mo
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -20,11 +19,10 @@ from router_fixtures import (
     wait_until,
 )
 from router_harness import RouterServer
-from sim_fleet import SimReplica
+from sim_fleet import SimReplica, sim_replicas
 
 from controlplane.tenancy.model import DEFAULT_TENANT
 from controlplane.types import PrefixMatch
-from deploy.processes import group_alive
 from deploy.tiny_model import make_tiny_model
 from router.http.openai_api import CompletionRequest
 
@@ -47,15 +45,8 @@ def sims(model_dir: Path) -> Iterator[dict[str, SimReplica]]:
         rid: SimReplica(*sim_args(model_dir, speed=20.0, kv_events=True), "--model-name", name)
         for rid, name in (("m1", MODEL), ("o1", OTHER))
     }
-    try:
-        with ThreadPoolExecutor(len(reps)) as pool:
-            list(pool.map(SimReplica.start, reps.values()))
+    with sim_replicas(reps):
         yield reps
-    finally:
-        for r in reps.values():
-            if r.child is not None:
-                r.stop()
-                assert not group_alive(r.pid), "a sim replica left processes behind"
 
 
 def test_events_of_the_second_models_replica_confirm_its_prompts(
