@@ -69,8 +69,9 @@ class KvEventMetrics:
     def _add(self, counter: Counter, replica: str, kind: str, value: float) -> None:
         last = self._seen.get((replica, kind), 0.0)
         delta = value - last if value >= last else value
+        child = counter.labels(replica=replica)  # exported from 0, so increase() sees the first
         if delta > 0:
-            counter.labels(replica=replica).inc(delta)
+            child.inc(delta)
         self._seen[(replica, kind)] = value
 
     def sync(self, rows: Iterable[ReplicaStatus]) -> None:

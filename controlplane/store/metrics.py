@@ -38,8 +38,9 @@ class BreakerMetrics:
         self.open.labels(store).set(0 if breaker.state is BreakerState.CLOSED else 1)
         last = self._opens_seen.get(store, 0)
         delta = breaker.opens - last if breaker.opens >= last else breaker.opens
+        child = self.opens.labels(store)  # exported from 0, so increase() sees the first
         if delta > 0:
-            self.opens.labels(store).inc(delta)
+            child.inc(delta)
         self._opens_seen[store] = breaker.opens
 
 

@@ -86,7 +86,7 @@ def test_breaker_gauge_follows_the_state_and_counts_opens() -> None:
         )
 
     m.sync("quota", b)
-    assert read() == (0.0, None)
+    assert read() == (0.0, 0.0)
     b.record_failure()
     b.record_failure()  # opens
     m.sync("quota", b)
