@@ -459,7 +459,7 @@ class TelemetryConfig(Section):
     @field_validator("otlp_endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        return None if v is None else traces_url(v)
+        return traces_url(v) if v else None  # "" (an unset chart value): the OTEL_* variables
 
     metrics_port: int | None = Field(
         default=None,

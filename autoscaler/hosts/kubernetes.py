@@ -83,7 +83,7 @@ class HostSettings(AutoscalerSettings, ScalerSettings, DrainerSettings):
     @field_validator("otlp_endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        return None if v is None else traces_url(v)
+        return traces_url(v) if v else None  # "" (an unset chart value): the OTEL_* variables
 
 
 class ObserveOnly:

@@ -57,7 +57,10 @@ async def test_one_span_per_batch_and_metrics_of_a_gap() -> None:
         metrics.close()
         await pub.close()
     spans = [s for s in exporter.get_finished_spans() if s.name == BATCH_SPAN]
-    by_seq = {s.attributes["cp.kvevents.seq"]: dict(s.attributes or {}) for s in spans}  # type: ignore[index]
+    by_seq: dict[int, dict[str, object]] = {}
+    for span in spans:
+        attrs = dict(span.attributes or {})
+        by_seq[int(str(attrs["cp.kvevents.seq"]))] = attrs
     assert sorted(by_seq) == [0, 1, 2]  # each batch once, however it arrived
     assert all(a["cp.replica"] == "r0" for a in by_seq.values())
     assert (by_seq[0]["cp.kvevents.events"], by_seq[0]["cp.kvevents.replayed"]) == (1, False)
