@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 from kvevents_fakes import assert_no_other_tasks, until
 from opentelemetry.sdk.trace import TracerProvider
@@ -57,7 +59,7 @@ async def test_one_span_per_batch_and_metrics_of_a_gap() -> None:
         metrics.close()
         await pub.close()
     spans = [s for s in exporter.get_finished_spans() if s.name == BATCH_SPAN]
-    by_seq: dict[int, dict[str, object]] = {}
+    by_seq: dict[int, dict[str, Any]] = {}
     for span in spans:
         attrs = dict(span.attributes or {})
         by_seq[int(str(attrs["cp.kvevents.seq"]))] = attrs
