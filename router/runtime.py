@@ -318,6 +318,7 @@ class RouterRuntime:
         m.sync_descriptions(self.fleet.groups.drift_of(), described, sources)
         m.inflight.set(len(self.ledger))
         m.routable.set(self.fleet.ready_count())
+        m.sync_quotas(self.tenancy.tenants())
         for follower in self.events.values():
             m.kv_events.sync(follower.status())
         for store, breaker in self.breakers().items():

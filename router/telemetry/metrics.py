@@ -34,7 +34,9 @@ Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_infli
 `cp_redis_breaker_open{store}` / `cp_redis_breaker_opens_total{store}`
 (controlplane/store/metrics.py).
 
-Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`.
+Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`,
+`cp_tenant_quota_tokens{tenant}` / `cp_tenant_quota_window_seconds{tenant}` (the configured
+quota), and usage `cp_tenant_tokens_total{tenant,kind}` (kind: prompt, completion).
 
 Fair queue shared by several routers: `cp_fair_shared_calls_total{outcome}`.
 """
@@ -42,13 +44,14 @@ Fair queue shared by several routers: `cp_fair_shared_calls_total{outcome}`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from controlplane.kvevents.metrics import KvEventMetrics
 from controlplane.store.metrics import BreakerMetrics
+from controlplane.tenancy.model import Tenant
 
 STATUS_CLIENT_CLOSED = "client_closed"
 STATUS_UPSTREAM_DIED = "upstream_died"
@@ -244,6 +247,26 @@ class RouterMetrics:
             ("outcome",),
             registry=r,
         )
+        # tenancy: what each tenant used, and its quota (the dashboard's share and quota panels)
+        self.tenant_tokens = Counter(
+            "cp_tenant_tokens_total",
+            "Tokens of finished requests per tenant, by kind (prompt, completion), as the "
+            "replica reported them.",
+            ("tenant", "kind"),
+            registry=r,
+        )
+        self.tenant_quota_tokens = Gauge(
+            "cp_tenant_quota_tokens",
+            "The tenant's token quota per window (absent: no quota).",
+            ("tenant",),
+            registry=r,
+        )
+        self.tenant_quota_window = Gauge(
+            "cp_tenant_quota_window_seconds",
+            "The length of the tenant's quota window.",
+            ("tenant",),
+            registry=r,
+        )
 
     def set_engine_prefix(self, replica: str, hits: float, queries: float) -> None:
         """The replica's cumulative prefix-cache counters (tokens) from its last scrape."""
@@ -269,6 +292,15 @@ class RouterMetrics:
         self.replica_described.clear()
         for replica, ok in described.items():
             self.replica_described.labels(replica=replica).set(1 if ok else 0)
+
+    def sync_quotas(self, tenants: Iterable[Tenant]) -> None:
+        """The configured quotas of the tenants known now (stale tenants dropped)."""
+        self.tenant_quota_tokens.clear()
+        self.tenant_quota_window.clear()
+        for t in tenants:
+            if t.quota_tokens is not None:
+                self.tenant_quota_tokens.labels(t.tenant_id).set(t.quota_tokens)
+                self.tenant_quota_window.labels(t.tenant_id).set(t.quota_window_s)
 
     def forget_replica(self, replica: str) -> None:
         """Drop the per-replica gauges of a replica that left the fleet (counters stay)."""

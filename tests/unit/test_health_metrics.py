@@ -11,6 +11,7 @@ from controlplane.kvevents.metrics import KvEventMetrics
 from controlplane.kvevents.service import ReplicaStatus
 from controlplane.store.breaker import CircuitBreaker
 from controlplane.store.metrics import BreakerMetrics
+from controlplane.tenancy.model import Tenant
 from router.telemetry import RouterMetrics
 
 ROW = ReplicaStatus(
@@ -113,3 +114,13 @@ def test_router_metrics_hold_the_new_families() -> None:
     assert m.registry.get_sample_value("cp_routable_replicas") == 2.0
     assert m.registry.get_sample_value("cp_kv_events_applied_total", {"replica": "r1"}) == 3.0
     assert m.registry.get_sample_value("cp_kv_events_trusted", {"replica": "r1"}) is None
+
+
+def test_tenant_quota_gauges_follow_the_tenants() -> None:
+    m = RouterMetrics()
+    m.sync_quotas([Tenant("acme", quota_tokens=1000, quota_window_s=60.0), Tenant("free")])
+    assert m.registry.get_sample_value("cp_tenant_quota_tokens", {"tenant": "acme"}) == 1000.0
+    assert m.registry.get_sample_value("cp_tenant_quota_window_seconds", {"tenant": "acme"}) == 60
+    assert m.registry.get_sample_value("cp_tenant_quota_tokens", {"tenant": "free"}) is None
+    m.sync_quotas([])  # acme removed (admin API): its series go
+    assert m.registry.get_sample_value("cp_tenant_quota_tokens", {"tenant": "acme"}) is None
