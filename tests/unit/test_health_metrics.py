@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from fake_vllm import FakeVllmFleet
 from prometheus_client import CollectorRegistry
 
 from controlplane.kvevents.metrics import KvEventMetrics
@@ -12,6 +13,8 @@ from controlplane.kvevents.service import ReplicaStatus
 from controlplane.store.breaker import CircuitBreaker
 from controlplane.store.metrics import BreakerMetrics
 from controlplane.tenancy.model import Tenant
+from router.config import load_settings
+from router.runtime import RouterRuntime
 from router.telemetry import RouterMetrics
 
 ROW = ReplicaStatus(
@@ -124,3 +127,31 @@ def test_tenant_quota_gauges_follow_the_tenants() -> None:
     assert m.registry.get_sample_value("cp_tenant_quota_tokens", {"tenant": "free"}) is None
     m.sync_quotas([])  # acme removed (admin API): its series go
     assert m.registry.get_sample_value("cp_tenant_quota_tokens", {"tenant": "acme"}) is None
+
+
+@pytest.mark.parametrize(
+    ("redis", "stores"),
+    [
+        (None, set()),  # in-memory index, quotas and fair queue: no breaker to report
+        ({"url": "redis://127.0.0.1:9/0"}, {"prefix_index", "quota", "fair_queue"}),
+    ],
+)
+async def test_the_router_reports_each_redis_store_breaker(
+    redis: dict[str, str] | None, stores: set[str]
+) -> None:
+    """The store names the alert rules select on (`store="quota"`, ...) are the router's."""
+    fakes = FakeVllmFleet(["a"])
+    overrides = {"redis": redis, "fairness": {"shared": True}} if redis else {}
+    settings = load_settings(
+        replicas=fakes.replica_configs(), tokenizer="approx", served_model="m", **overrides
+    )
+    runtime = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
+    try:
+        assert set(runtime.breakers()) == stores
+        runtime.refresh_gauges()
+        reg = runtime.metrics.registry
+        for store in stores:  # nothing called Redis yet: closed
+            assert reg.get_sample_value("cp_redis_breaker_open", {"store": store}) == 0.0
+        assert reg.get_sample_value("cp_routable_replicas") == 0.0  # not probed yet
+    finally:
+        await runtime.aclose()
