@@ -28,7 +28,6 @@ from pathlib import Path
 from grafana_foundation_sdk.builders import common as common_b
 from grafana_foundation_sdk.builders import dashboard as dash_b
 from grafana_foundation_sdk.builders import prometheus as prom_b
-from grafana_foundation_sdk.builders import stat as stat_b
 from grafana_foundation_sdk.builders import timeseries as ts_b
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement
@@ -50,7 +49,6 @@ class Panel:
     description: str
     queries: tuple[tuple[str, str], ...]  # (PromQL, legend)
     unit: str = "short"
-    kind: str = "timeseries"  # or "stat"
     width: int = 8
 
 
@@ -229,13 +227,12 @@ ROWS: tuple[Row, ...] = (
 )  # fmt: skip
 
 
-def _panel(p: Panel, ds: DataSourceRef) -> ts_b.Panel | stat_b.Panel:
-    builder: ts_b.Panel | stat_b.Panel = ts_b.Panel() if p.kind == "timeseries" else stat_b.Panel()
-    builder.title(p.title).description(p.description).datasource(ds).unit(p.unit)
-    builder.height(8).span(p.width)
-    if isinstance(builder, ts_b.Panel):
-        legend = common_b.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
-        builder.legend(legend.placement(LegendPlacement.BOTTOM).show_legend(True))
+def _panel(p: Panel, ds: DataSourceRef) -> ts_b.Panel:
+    """A time series panel of the queries, with a legend below."""
+    builder = ts_b.Panel().title(p.title).description(p.description).datasource(ds)
+    builder.unit(p.unit).height(8).span(p.width)
+    legend = common_b.VizLegendOptions().display_mode(LegendDisplayMode.LIST)
+    builder.legend(legend.placement(LegendPlacement.BOTTOM).show_legend(True))
     for i, (expr, legend_format) in enumerate(p.queries):
         query = prom_b.Dataquery().expr(expr).legend_format(legend_format).ref_id(chr(65 + i))
         builder.with_target(query.datasource(ds))

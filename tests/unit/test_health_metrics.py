@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 from fake_vllm import FakeVllmFleet
@@ -141,7 +142,7 @@ async def test_the_router_reports_each_redis_store_breaker(
 ) -> None:
     """The store names the alert rules select on (`store="quota"`, ...) are the router's."""
     fakes = FakeVllmFleet(["a"])
-    overrides = {"redis": redis, "fairness": {"shared": True}} if redis else {}
+    overrides: dict[str, Any] = {"redis": redis, "fairness": {"shared": True}} if redis else {}
     settings = load_settings(
         replicas=fakes.replica_configs(), tokenizer="approx", served_model="m", **overrides
     )
