@@ -9,7 +9,7 @@ OUT    ?= out
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
 
-.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium promtool
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -54,6 +54,13 @@ chromium: ## make sure a headless chromium exists (the /status page test renders
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; } \
 		|| echo "no chromium: the /status page test is skipped"
 
+promtool: ## make sure promtool exists (the alert rules' checks and unit tests run it)
+	@command -v promtool >/dev/null 2>&1 || { \
+		echo "installing promtool (apt: prometheus)"; \
+		SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; } \
+		|| echo "no promtool: the alert rule tests are skipped"
+
 $(VLLM_STAMP): | $(STAMP)
 	$(BIN)/controlplane fleet vllm-env --venv $(VLLM_VENV)
 
@@ -62,7 +69,7 @@ vllm-env: $(VLLM_STAMP) ## real vLLM CPU build in its own venv (.venv-vllm; ~3.5
 fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
 	$(BIN)/controlplane fleet up --engine vllm --replicas 2
 
-unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
+unit: $(STAMP) $(VLLM_STAMP) redis-server chromium promtool ## the test suite (includes real vLLM CPU replicas)
 	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
 
 test: lint typecheck unit ## everything CI runs

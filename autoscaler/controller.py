@@ -15,7 +15,10 @@ Every `tick_s`:
    (`autoscaler.hosts.LoadTimes`) and build `ScaleContext`.
 4. `policy.decide(ctx, state, now)` with the injected clock; actuate a changed target; export
    `cp_autoscaler_decisions_total{policy,reason}`, `cp_autoscaler_target_replicas{model}`,
-   `cp_autoscaler_forecast_<figure>{model}` (from `decision.detail`) and log one JSON line.
+   `cp_autoscaler_{ready,loading,min,max}_replicas{model}`,
+   `cp_autoscaler_forecast_<figure>{model}` (from `decision.detail`), log one JSON line and end
+   one INTERNAL span `cp.autoscaler.decide` (tracer `controlplane.autoscaler`) whose attributes
+   carry the reason, target, fleet and figures.
 
 Errors never stop the loop: a failed scrape is NO_DATA, a failed fleet read or actuation is
 logged and counted (`cp_autoscaler_errors_total{stage}`) and the next tick tries again.
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
@@ -43,6 +47,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
 from controlplane.errors import ConfigError
+from controlplane.tracing import tracer_of
 
 log = logging.getLogger("controlplane.autoscaler")
 
@@ -51,6 +56,8 @@ ARRIVALS = "cp_demand_arrivals_total"
 GAUGES = ("cp_backlog_work_seconds", "cp_backlog_requests", "cp_in_flight_requests")
 COUNTERS = ("arrivals", "prefill", "decode")
 POLICIES = {"headroom": "autoscaler.headroom:headroom_policy"}
+TRACER_NAME = "controlplane.autoscaler"
+DECIDE_SPAN = "cp.autoscaler.decide"
 
 
 class AutoscalerSettings(BaseSettings):
@@ -216,6 +223,12 @@ class ControllerMetrics:
             "cp_autoscaler_decisions", "Decisions.", ["policy", "reason"], registry=r
         )
         self.target = Gauge("cp_autoscaler_target_replicas", "Target.", ["model"], registry=r)
+        self.min_replicas = Gauge(
+            "cp_autoscaler_min_replicas", "Lower bound of the target.", ["model"], registry=r
+        )
+        self.max_replicas = Gauge(
+            "cp_autoscaler_max_replicas", "Upper bound of the target.", ["model"], registry=r
+        )
         self.ready = Gauge("cp_autoscaler_ready_replicas", "Serving.", ["model"], registry=r)
         self.loading = Gauge("cp_autoscaler_loading_replicas", "Loading.", ["model"], registry=r)
         self.load_time = Gauge(
@@ -260,8 +273,11 @@ class Controller:
         *,
         clock: Callable[[], float] = time.monotonic,
         metrics: ControllerMetrics | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
+        """`tracer_provider`: where the decision spans go (default: the global provider)."""
         self.settings = settings
+        self.tracer = tracer_of(TRACER_NAME, tracer_provider)
         self.policy = policy
         self.actuator = actuator
         self.scraper = scraper
@@ -309,21 +325,25 @@ class Controller:
             max_replicas=s.max_replicas,
             tick_s=s.tick_s,
         )
-        if sample.interval_s <= 0:
-            decision = ScaleDecision(fleet.spec, ScaleReason.NO_DATA)
-        else:
-            decision, self.state = self.policy.decide(ctx, self.state, now)
-        self.decision = decision
-        applied = False
-        try:
-            applied = await self.actuator.apply(decision.target, decision, fleet)
-        except Exception as exc:
-            self.metrics.errors.labels("apply").inc()
-            log.error("cannot apply target %d (%s): %s", decision.target, self.actuator.mode, exc)
-        if applied and decision.target != fleet.spec:
-            self.load_times = self.load_times.ordered(now, fleet.spec, decision.target)
-            self.last = FleetObservation(decision.target, fleet.ready)
-        self._export(ctx, decision)
+        with self.tracer.start_as_current_span(DECIDE_SPAN) as span:
+            if sample.interval_s <= 0:
+                decision = ScaleDecision(fleet.spec, ScaleReason.NO_DATA)
+            else:
+                decision, self.state = self.policy.decide(ctx, self.state, now)
+            self.decision = decision
+            applied = False
+            try:
+                applied = await self.actuator.apply(decision.target, decision, fleet)
+            except Exception as exc:
+                self.metrics.errors.labels("apply").inc()
+                log.error(
+                    "cannot apply target %d (%s): %s", decision.target, self.actuator.mode, exc
+                )
+            if applied and decision.target != fleet.spec:
+                self.load_times = self.load_times.ordered(now, fleet.spec, decision.target)
+                self.last = FleetObservation(decision.target, fleet.ready)
+            self._export(ctx, decision)
+            span.set_attributes(self._span_attributes(ctx, decision, fleet, applied))
         result = TickResult(decision, sample, fleet, applied)
         for observe in self.on_tick:
             observe(result)
@@ -333,6 +353,8 @@ class Controller:
         m, lbl = self.metrics, self.label
         m.decisions.labels(self.policy.name, str(decision.reason)).inc()
         m.target.labels(lbl).set(decision.target)
+        m.min_replicas.labels(lbl).set(ctx.min_replicas)
+        m.max_replicas.labels(lbl).set(ctx.max_replicas)
         m.ready.labels(lbl).set(ctx.fleet.ready)
         m.loading.labels(lbl).set(ctx.fleet.loading)
         m.load_time.labels(lbl).set(ctx.load_time_s)
@@ -348,6 +370,28 @@ class Controller:
             "backlog_work_s": round(ctx.sample.backlog_work_s, 4), **decision.figures(),
         }  # fmt: skip
         log.info(json.dumps(line, sort_keys=True))
+
+    def _span_attributes(
+        self, ctx: ScaleContext, decision: ScaleDecision, fleet: FleetObservation, applied: bool
+    ) -> dict[str, str | int | float | bool]:
+        """The decision span's attributes: its reason and the figures behind it."""
+        attributes: dict[str, str | int | float | bool] = {
+            "cp.autoscaler.model": self.label,
+            "cp.autoscaler.policy": self.policy.name,
+            "cp.autoscaler.mode": self.actuator.mode,
+            "cp.autoscaler.reason": str(decision.reason),
+            "cp.autoscaler.target": decision.target,
+            "cp.autoscaler.spec": fleet.spec,
+            "cp.autoscaler.ready": ctx.fleet.ready,
+            "cp.autoscaler.loading": ctx.fleet.loading,
+            "cp.autoscaler.applied": applied,
+            "cp.autoscaler.load_time_s": ctx.load_time_s,
+            "cp.autoscaler.demand_rate": ctx.sample.rate,
+            "cp.autoscaler.backlog_work_s": ctx.sample.backlog_work_s,
+        }
+        for name, value in decision.detail:
+            attributes[f"cp.autoscaler.figure.{name}"] = value
+        return attributes
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every `tick_s` until `stop` is set; nothing raised by a tick ends the loop."""
