@@ -48,7 +48,7 @@ PLACEHOLDERS = {
                     ],
                 }
             ]
-        }  # fmt: skip
+        }
     ),
 }
 

@@ -82,8 +82,15 @@ def test_builtin_objects_validate(
             cluster = o.doc["spec"]["rayClusterConfig"]
             groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
             for i, g in enumerate(groups):
-                builtin.append({"apiVersion": "v1", "kind": "PodTemplate",
-                                "metadata": {"name": f"ray-{i}"}, "template": g["template"]})  # fmt: skip
+                meta = {"name": f"ray-{i}"}
+                builtin.append(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "PodTemplate",
+                        "metadata": meta,
+                        "template": g["template"],
+                    }
+                )
     path = tmp_path / "objects.yaml"
     path.write_text(yaml.safe_dump_all(builtin))
     validate = tool("kubernetes-validate")
@@ -129,7 +136,7 @@ def test_every_crd_kind_is_rendered_somewhere(rendered: dict[str, list[Obj]]) ->
                 "engines.groups[0].gpu": "h100",
             },
             "/engines/groups/0/name",
-        ),  # fmt: skip
+        ),
         ({"engines.groups[0].name": "g"}, "missing properties"),
     ],
 )
