@@ -356,6 +356,10 @@ def test_autoscaler_env_loads_as_its_settings(rendered: dict[str, list[Obj]], va
             os.environ.clear()
             os.environ.update(saved)
         assert s.target_ref() is not None and s.admin_key_env == "CP_ROUTER_ADMIN_KEY"
+        # the routers' admin key (scale-down drains) from the same Secret as the routers'
+        router_env = env_of(one(rendered[values], "Deployment", "-router").container("router"))
+        assert env_of(c)["CP_ROUTER_ADMIN_KEY"] == router_env["CP_ADMIN_KEY"]
+        assert "secretKeyRef" in router_env["CP_ADMIN_KEY"]
         headless = one(rendered[values], "Service", "-router-pods")
         assert headless.doc["spec"]["clusterIP"] == "None"
         assert s.routers == [f"dns+http://{headless.name}.{NAMESPACE}.svc:8000"]
