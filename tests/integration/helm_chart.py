@@ -100,6 +100,13 @@ class ChartCopy:
             raise RenderError(done.stderr.strip())
         return done.stdout
 
+    def render_file(self, values: Path) -> list[Obj]:
+        """Objects rendered with a values file of the caller's."""
+        done = run([tool("helm"), "template", RELEASE, self.path, "-n", NAMESPACE, "-f", values])
+        if done.returncode != 0:
+            raise RenderError(done.stderr.strip())
+        return [Obj(d) for d in yaml.safe_load_all(done.stdout) if d]
+
     def render(self, values: str = "default", *, sets: Mapping[str, str] = {}) -> list[Obj]:
         text = self.template(values, sets=sets)
         return [Obj(d) for d in yaml.safe_load_all(text) if d]
