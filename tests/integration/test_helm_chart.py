@@ -50,6 +50,8 @@ CRDS = {  # (apiVersion, kind) -> fixture
     ("ray.io/v1", "RayService"): "rayservices.json",
 }
 FIXTURES = REPO / "tests" / "fixtures" / "crds"
+GOLDEN = REPO / "tests" / "fixtures" / "helm"
+UPDATE_GOLDEN = "CP_UPDATE_GOLDEN"
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,35 @@ def test_helm_lint(chart: ChartCopy, values: str) -> None:
     vf = chart.values_file(values)
     done = run([*args, "-f", vf] if vf else args)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def golden_text(objs: list[Obj]) -> str:
+    """The render with what is not the chart's own logic masked: generated secrets, and the
+    observability files' contents (checked by their own tests)."""
+    docs = []
+    for o in objs:
+        doc = json.loads(json.dumps(o.doc))
+        if o.kind == "Secret":
+            doc["data"] = dict.fromkeys(doc.get("data") or {}, "<generated or from values>")
+        elif o.kind == "ConfigMap" and o.name.endswith("-dashboard"):
+            doc["data"] = dict.fromkeys(doc["data"], "<files/grafana/controlplane.json>")
+        elif o.kind == "PrometheusRule":
+            doc["spec"]["groups"] = "<files/prometheus/alerts.yaml>"
+        docs.append(doc)
+    return yaml.safe_dump_all(docs, sort_keys=False)
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_render_matches_its_golden_file(rendered: dict[str, list[Obj]], values: str) -> None:
+    """An unintended change to what the chart renders fails here; an intended one is recorded
+    with `CP_UPDATE_GOLDEN=1 pytest tests/integration/test_helm_chart.py` (review the diff)."""
+    path = GOLDEN / f"{values}.yaml"
+    text = golden_text(rendered[values])
+    if os.environ.get(UPDATE_GOLDEN):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}: run with {UPDATE_GOLDEN}=1"
+    assert text == path.read_text(), f"{values}: the render changed; {UPDATE_GOLDEN}=1 records it"
 
 
 @pytest.mark.parametrize("values", VALUES)
