@@ -169,6 +169,15 @@ def test_every_crd_kind_is_rendered_somewhere(rendered: dict[str, list[Obj]]) ->
             "/engines/groups/0/name",
         ),
         ({"engines.groups[0].name": "g"}, "missing properties"),
+        (  # no config.json: the routers could build no profile, the replicas would stay loading
+            {
+                "engines.groups[0].name": "g",
+                "engines.groups[0].model": "m",
+                "engines.groups[0].servedModelName": "m",
+                "engines.groups[0].gpu": "h100",
+            },
+            "configJson",
+        ),
     ],
 )
 def test_schema_refuses_bad_values(chart: ChartCopy, sets: dict[str, str], complaint: str) -> None:
