@@ -102,3 +102,17 @@ def test_config_show_and_diff_on_the_rendered_router_config(
     before.write_text(controlplane("config", "show", "--config", str(config)))
     assert "admin_key: '**********'" in before.read_text()
     assert "no differences" in controlplane("config", "diff", str(before), str(before))
+
+
+def test_every_metric_named_is_exported_by_the_code() -> None:
+    sources = "\n".join(
+        p.read_text()
+        for pkg in ("router", "controlplane", "autoscaler")
+        for p in (REPO / pkg).rglob("*.py")
+    )
+    names = {n for n in re.findall(r"\b(cp_[a-z_]+)", GUIDE) if not n.endswith("_")}
+    assert names
+    # a Counter "cp_x" is exported as cp_x_total: either spelling in the code counts
+    missing = [n for n in names if f'"{n}"' not in sources and f'"{n.removesuffix("_total")}"'
+               not in sources]  # fmt: skip
+    assert sorted(missing) == []
