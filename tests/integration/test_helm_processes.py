@@ -236,3 +236,50 @@ async def test_rendered_processes_route_index_and_advise(
             codes = {p.name: p.stop() for p in pods if p.child is not None}
         assert codes["router"] == 0, router.tail()
         assert NAMESPACE == NS
+
+
+async def test_rendered_redis_requires_its_password_and_never_evicts(tmp_path: Path) -> None:
+    """The Redis container's script, run with the local redis-server: requirepass from the
+    environment (not on the command line), maxmemory and noeviction as rendered."""
+    if not available():
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    objs = ChartCopy.make(tmp_path).render(sets={"redis.port": str(port)})
+    container = one(objs, "StatefulSet", "-redis").container("redis")
+    assert container["command"] == ["sh", "-c"]
+    data = tmp_path / "data"
+    data.mkdir()
+    script = container["args"][0].replace("dir /data", f"dir {data}")
+    password = "chart-test-redis-password"
+    env = {"PATH": os.environ["PATH"], "REDIS_PASSWORD": password}
+    with (tmp_path / "redis.log").open("wb") as out:
+        child = spawn(["sh", "-c", script], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        authed = redis.Redis(port=port, password=password, socket_timeout=2)
+        anonymous = redis.Redis(port=port, socket_timeout=2)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                try:
+                    authed.ping()
+                    break
+                except redis.ConnectionError:
+                    assert child.poll() is None and time.monotonic() < deadline, (
+                        tmp_path / "redis.log"
+                    ).read_text()
+                    await asyncio.sleep(0.1)
+            with pytest.raises(redis.AuthenticationError):
+                anonymous.ping()
+            assert authed.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+            assert authed.config_get("maxmemory") == {"maxmemory": str(1 << 30)}
+            assert authed.config_get("save") == {"save": ""}
+            # the password is not on the process's command line
+            cmdline = Path(f"/proc/{child.pid}/cmdline").read_bytes()
+            assert password.encode() not in cmdline
+        finally:
+            authed.close()
+            anonymous.close()
+    finally:
+        child.signal(signal.SIGTERM)
+        child.finish(time.monotonic() + 10.0)
+        assert not group_alive(child.pid)
