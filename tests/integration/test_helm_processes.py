@@ -190,7 +190,9 @@ async def test_rendered_processes_route_index_and_advise(
         pods = [router, indexer, scaler]
         try:
             router.start(CP_HOST="127.0.0.1", CP_PORT=str(port))
-            indexer.start()
+            indexer.start(
+                CP_INDEXER_METRICS_PORT=str(free_port()), CP_INDEXER_METRICS_HOST="127.0.0.1"
+            )
             scaler.start(
                 CP_AUTOSCALER_ROUTERS=json.dumps([base]), CP_AUTOSCALER_API_URL=kube.url,
                 CP_AUTOSCALER_NAMESPACE=NS, CP_AUTOSCALER_LISTEN_HOST="127.0.0.1",
