@@ -3,7 +3,8 @@
 No cluster runs here, so the guide's kubectl steps cannot be executed; what they name is checked
 against the chart rendered the way the guide installs it (release `cp`, namespace `llm`, the full
 values): every object name, every label selector, every chart value path (against
-values.schema.json) and every router setting path (against `RouterSettings`). The guide's
+values.schema.json) and every router setting path (against `RouterSettings`), every metric it
+names (against the code); its `kubectl create` steps run as client-side dry runs. The guide's
 `controlplane config show` / `config diff` run on the rendered router configuration; its
 `helm lint` / `helm template` are the chart tests' (test_helm_chart.py).
 """
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helm_chart import CHART, NAMESPACE, RELEASE, REPO, ChartCopy, Obj, one, tool
+import yaml
+from helm_chart import CHART, NAMESPACE, RELEASE, REPO, ChartCopy, Obj, one, run, tool
 
 from router.config import RouterSettings
 
@@ -116,3 +118,22 @@ def test_every_metric_named_is_exported_by_the_code() -> None:
     missing = [n for n in names if f'"{n}"' not in sources and f'"{n.removesuffix("_total")}"'
                not in sources]  # fmt: skip
     assert sorted(missing) == []
+
+
+def test_the_guides_kubectl_create_steps_make_what_the_values_name() -> None:
+    """The two steps that need no cluster run as client-side dry runs: the namespace, and the
+    HF token Secret the full values' engines.hfTokenSecret refers to."""
+    kubectl = tool("kubectl")
+    values = yaml.safe_load((CHART / "ci" / "full-values.yaml").read_text())
+    made = []
+    for line in re.findall(r"^(kubectl (?:-n \S+ )?create .+)$", GUIDE, re.M):
+        args = line.split()[1:]
+        args = [a if "$HF_TOKEN" not in a else a.replace('"$HF_TOKEN"', "hf_x") for a in args]
+        done = run([kubectl, *args, "--dry-run=client", "-o", "yaml"])
+        assert done.returncode == 0, done.stderr
+        made.append(yaml.safe_load(done.stdout))
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in made}
+    assert ("Namespace", NAMESPACE) in kinds
+    ref = values["engines"]["hfTokenSecret"]
+    secret = next(d for d in made if d["kind"] == "Secret")
+    assert secret["metadata"]["name"] == ref["name"] and ref["key"] in secret["data"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -404,3 +405,22 @@ def test_autoscaler_env_loads_as_its_settings(rendered: dict[str, list[Obj]], va
         assert headless.doc["spec"]["clusterIP"] == "None"
         assert s.routers == [f"dns+http://{headless.name}.{NAMESPACE}.svc:8000"]
         assert RELEASE in d.name
+
+
+@pytest.mark.parametrize("values", VALUES)
+def test_notes_name_objects_the_release_has(
+    chart: ChartCopy, rendered: dict[str, list[Obj]], values: str
+) -> None:
+    """NOTES.txt (rendered by a client-side dry-run install) points at real objects."""
+    args: list[str | Path] = [tool("helm"), "install", RELEASE, chart.path, "-n", NAMESPACE,
+                              "--dry-run=client"]  # fmt: skip
+    vf = chart.values_file(values)
+    done = run([*args, "-f", vf] if vf else args)
+    assert done.returncode == 0, done.stderr
+    notes = done.stdout.split("\nNOTES:\n", 1)[1]
+    names = {(o.kind, o.name) for o in rendered[values]}
+    refs = [("Service", n) for n in re.findall(r"svc/(\S+)", notes)]
+    refs += [("Deployment", n) for n in re.findall(r"deploy/(\S+)", notes)]
+    refs += [("Secret", n) for n in re.findall(r"get secret (\S+)", notes)]
+    assert refs and [r for r in refs if r not in names] == []
+    assert f"port-forward svc/{RELEASE}-controlplane-router" in notes
