@@ -190,8 +190,9 @@ async def test_rendered_processes_route_index_and_advise(
         pods = [router, indexer, scaler]
         try:
             router.start(CP_HOST="127.0.0.1", CP_PORT=str(port))
+            indexer_port = free_port()
             indexer.start(
-                CP_INDEXER_METRICS_PORT=str(free_port()), CP_INDEXER_METRICS_HOST="127.0.0.1"
+                CP_INDEXER_METRICS_PORT=str(indexer_port), CP_INDEXER_METRICS_HOST="127.0.0.1"
             )
             scaler.start(
                 CP_AUTOSCALER_ROUTERS=json.dumps([base]), CP_AUTOSCALER_API_URL=kube.url,
@@ -224,6 +225,12 @@ async def test_rendered_processes_route_index_and_advise(
                 admin.close()
             text = httpx.get(f"{base}/metrics").text
             assert metric_value(text, "cp_kv_events_applied_total") == 0
+            # the indexer's probes: the rendered path answers on its metrics port, with its series
+            for probe in ("readinessProbe", "livenessProbe"):
+                path = indexer.spec[probe]["httpGet"]["path"]
+                got = httpx.get(f"http://127.0.0.1:{indexer_port}{path}")
+                assert got.status_code == 200
+            assert "cp_kv_events_" in got.text
             # the advisory autoscaler read the StatefulSet and exported a target
             scaled = f"http://127.0.0.1:{scaler_port}"
             await until(

@@ -27,8 +27,6 @@ SKIPPED = {
     "admin_key_env, CP_TENANTS)",
     "CKV_K8S_38": "the router (Kubernetes discovery) and the autoscaler (scale subresource) "
     "call the API; no other pod mounts a token",
-    "CKV_K8S_8": "the indexer has no HTTP endpoint; it exits on a fatal error and restarts",
-    "CKV_K8S_9": "the indexer has no HTTP endpoint (see CKV_K8S_8)",
     "CKV_K8S_22": "the official vLLM image writes compile caches outside the model volume",
     "CKV_K8S_23": "the official vLLM image runs as root",
     "CKV_K8S_40": "the official vLLM image runs as root (see CKV_K8S_23)",
@@ -38,7 +36,6 @@ SKIPPED = {
 # which of those apply to which workloads (a skip for the control plane's own pods would hide a
 # regression there)
 ENGINE_ONLY = {"CKV_K8S_22", "CKV_K8S_23", "CKV_K8S_40"}
-INDEXER_ONLY = {"CKV_K8S_8", "CKV_K8S_9"}
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +60,7 @@ def checkov(*args: str | Path) -> list[dict[str, object]]:
 
 def test_checkov_chart(rendered_dir: Path) -> None:
     failed = checkov("-d", rendered_dir, "--framework", "kubernetes")
-    where = {**dict.fromkeys(ENGINE_ONLY, "-engine-"), **dict.fromkeys(INDEXER_ONLY, "-indexer")}
+    where = dict.fromkeys(ENGINE_ONLY, "-engine-")
     unexpected = [
         (check, resource)
         for check, resource in ((str(f["check_id"]), str(f["resource"])) for f in failed)
