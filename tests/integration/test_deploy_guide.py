@@ -5,8 +5,10 @@ against the chart rendered the way the guide installs it (release `cp`, namespac
 values): every object name, every label selector, every chart value path (against
 values.schema.json) and every router setting path (against `RouterSettings`), every metric it
 names (against the code); its `kubectl create` steps run as client-side dry runs. The guide's
-`controlplane config show` / `config diff` run on the rendered router configuration; its
-`helm lint` / `helm template` are the chart tests' (test_helm_chart.py).
+`controlplane config show` / `config diff` run on the rendered router configuration; its `helm`
+lines run as written (lint, template), as a client-side dry run (install) or as the render of the
+same flags (upgrade). What needs a cluster (get, logs, exec, port-forward, the curl checks) is
+checked for the names it uses only.
 """
 
 from __future__ import annotations
@@ -137,3 +139,35 @@ def test_the_guides_kubectl_create_steps_make_what_the_values_name() -> None:
     ref = values["engines"]["hfTokenSecret"]
     secret = next(d for d in made if d["kind"] == "Secret")
     assert secret["metadata"]["name"] == ref["name"] and ref["key"] in secret["data"]
+
+
+def test_the_guides_helm_steps_run_without_a_cluster(tmp_path: Path) -> None:
+    """Every `helm` line of the guide, on the full values: lint and template as written,
+    install as a client-side dry run, upgrade as the render of the same flags (an upgrade reads
+    the release from the cluster, which a dry run cannot)."""
+    helm = tool("helm")
+    values = CHART / "ci" / "full-values.yaml"
+    lines = re.findall(r"^(helm (?:lint|template|install|upgrade) .+?)(?:\s+#.*)?$", GUIDE, re.M)
+    verbs = [line.split()[1] for line in lines]
+    assert {"lint", "template", "install", "upgrade"} <= set(verbs)
+    for line in lines:
+        args = line.split(">")[0].split()[1:]
+        args = [str(values) if a == "my-values.yaml" else a for a in args]
+        args = [str(REPO / a) if a == "helm/controlplane" else a for a in args]
+        if args[0] == "install":
+            args.append("--dry-run=client")
+        elif args[0] == "upgrade":
+            args[0] = "template"
+        done = run([helm, *args])
+        assert done.returncode == 0, f"{line}\n{done.stderr}"
+        if "autoscaler.mode=kubernetes" in line:
+            docs = [d for d in yaml.safe_load_all(done.stdout) if d]
+            modes = {
+                e["value"]
+                for d in docs
+                if d.get("kind") == "Deployment" and "-autoscaler-" in d["metadata"]["name"]
+                for c in d["spec"]["template"]["spec"]["containers"]
+                for e in c.get("env") or []
+                if e["name"] == "CP_AUTOSCALER_MODE"
+            }
+            assert modes == {"kubernetes"}
