@@ -1,4 +1,5 @@
-"""Fixtures for tests that need Redis: a private redis-server per test, and store factories.
+"""Fixtures for integration tests: the tiny model directory (once per session), a private
+redis-server per test, and store factories.
 
 `redis_server` starts a throwaway server (free loopback port, no persistence, temp dir; never
 6379) and on teardown asserts the process is gone. `make_index` (`RedisPrefixIndex`es) and
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +23,16 @@ from redis_server import RedisServer, available
 from controlplane.prefix.redis_index import RedisPrefixIndex
 from controlplane.tenancy.quota_redis import RedisQuotaStore
 from deploy.processes import group_alive
+from deploy.tiny_model import ensure_tiny_model
 
 INDEX_CLIENT_NAME = "cp-test-index"
 QUOTA_CLIENT_NAME = "cp-test-quota"
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The tiny model in its default directory (`.cache/tiny-llama`), made once per session."""
+    return ensure_tiny_model()
 
 
 @pytest.fixture

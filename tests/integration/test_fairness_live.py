@@ -39,7 +39,6 @@ from router_fixtures import MODEL, metric_value, sim_args
 from sim_fleet import SimReplica
 
 from controlplane.tenancy.fair_redis import SharedFairStore
-from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(240)]
 
@@ -192,13 +191,6 @@ async def scenario(routers: list[RouterProcess], joiner: RouterProcess, redis_ur
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     return first, second, (two, three), log, log.per_router(w2, w2 + WINDOW_S)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 def test_weighted_shares_hold_across_routers_and_a_joining_one(

@@ -32,7 +32,6 @@ from router_fixtures import (
 from router_harness import RouterServer
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.fleet.lifecycle import Lifecycle
 from router.fleet.sources import PollingSource
 from router.runtime import RouterRuntime
@@ -42,13 +41,6 @@ ADMIN = "registry-admin-key"
 AUTH = {"authorization": f"Bearer {ADMIN}"}
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture(scope="module")

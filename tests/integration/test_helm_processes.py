@@ -41,7 +41,6 @@ from router_fixtures import metric_value, sim_args
 from sim_fleet import SimReplica, sim_replicas
 
 from deploy.processes import Child, group_alive, spawn
-from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = pytest.mark.redis
 
@@ -54,13 +53,6 @@ SECRETS = {  # secret key -> test value (the chart's own Secret's keys)
     "password": "chart-test-redis-password",
 }
 CLI = [sys.executable, "-c", "from controlplane.cli import main; main()"]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture

@@ -40,19 +40,12 @@ from router_fixtures import (
 from router_harness import RouterServer
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
+from deploy.tiny_model import default_model_dir
 from router.fleet.health import EjectReason
 
 pytestmark = pytest.mark.timeout(120)
 TENANT, KEY = "hung-test", "sk-hung-test"
 KEY_SHA = hashlib.sha256(KEY.encode()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture

@@ -43,7 +43,6 @@ from autoscaler.types import ScaleDecision, ScaleReason
 from autoscaler.victims import VictimReason
 from controlplane.errors import RouterAdminError
 from controlplane.kube.pods import DELETION_COST
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.telemetry import parse_decision_header
 
 ADMIN = "drain-admin-key"
@@ -52,13 +51,6 @@ WAIT_S = 30.0  # a failure bound
 DOWN = ScaleDecision(2, ScaleReason.SCALE_DOWN)
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from sim_fleet import SimReplica
 from controlplane.roofline import profile
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.traces.tokens import token_trace
-from deploy.tiny_model import CORPUS, default_model_dir, make_tiny_model
+from deploy.tiny_model import CORPUS
 
 BLOCK = 32
 BLOCKS = 512
@@ -34,13 +34,6 @@ GAP_S = 1.6  # > the retract grace (1 s) + KV-event delivery + one scrape (0.5 s
 REQUESTS = 9
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    path = default_model_dir()
-    make_tiny_model(path)
-    return path
 
 
 def prompts(seed: int = 7) -> list[str]:

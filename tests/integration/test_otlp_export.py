@@ -13,16 +13,7 @@ from quota_scenario import RouterProcess
 from router_fixtures import MODEL, sim_args
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
-
 SPAN_KIND_CLIENT = 3  # opentelemetry.proto.trace.v1.Span.SpanKind.SPAN_KIND_CLIENT
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture

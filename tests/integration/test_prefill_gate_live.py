@@ -43,8 +43,6 @@ from quota_scenario import RouterProcess
 from router_fixtures import MODEL, metric_value
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
-
 THRESHOLD = 224
 SPEED = 0.25
 KEYS = {"A": "cpk-gate-live-a", "B": "cpk-gate-live-b"}
@@ -111,13 +109,6 @@ async def load(url: str, duration_s: float, docs: bool, seed: int) -> tuple[list
         await asyncio.gather(*documents, return_exceptions=True)
     assert all(ttft is not None for _, (_, ttft) in results), "a chat failed"
     return [ttft for at, (_, ttft) in results if ttft is not None and at >= WARMUP_S], waiting
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    path = default_model_dir()
-    make_tiny_model(path)
-    return path
 
 
 def test_chats_keep_their_first_tokens_beside_a_backlogged_document_tenant(

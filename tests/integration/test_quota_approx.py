@@ -33,7 +33,6 @@ from router_harness import RouterServer
 from sim_fleet import SimReplica
 
 from controlplane.tenancy.identity import key_digest
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.config import load_settings
 
 pytestmark = [pytest.mark.timeout(180)]
@@ -41,13 +40,6 @@ pytestmark = [pytest.mark.timeout(180)]
 KEY = "cpk-approx-quota-0123"
 QUOTA = 3000
 WORDS = ("alpha", "beta", "gamma", "quota", "tenant", "router", "réplica", "naïve", "x", "7")
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture

@@ -11,18 +11,9 @@ import pytest
 from quota_scenario import run_quota_scenario
 from redis_server import RedisServer
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
-
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
 
 QUOTA = 2500
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 def test_quota_hard_bound_over_four_routers(model_dir: Path, redis_server: RedisServer) -> None:

@@ -65,7 +65,6 @@ from schemathesis.generation import GenerationMode
 from schemathesis.python import asgi as schemathesis_asgi
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.config import RouterSettings, load_settings
 from router.http.service import create_app
 from router.runtime import RouterRuntime
@@ -135,13 +134,6 @@ class LiveRouter:
             text = scrape(sim.url)
             out += [metric_value(text, name) for name in REPLICA_COUNTERS]
         return out
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 @pytest.fixture(scope="module")

@@ -40,7 +40,6 @@ from router_fixtures import (
 from router_harness import RouterServer
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.http.proxy import RetryBudget
 from router.telemetry import parse_decision_header
 
@@ -54,13 +53,6 @@ DECISIONS = {"decision_header": True}
 
 
 # -- fixtures --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
-
-
 @pytest.fixture(scope="module")
 def pair(model_dir: Path) -> Iterator[tuple[SimReplica, SimReplica]]:
     """Replicas `a` and `b` (with KV events), shared by the module."""

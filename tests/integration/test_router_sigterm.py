@@ -34,17 +34,9 @@ from sim_fleet import SimReplica
 
 from deploy.processes import Child, spawn
 from deploy.redis_local import available, free_port
-from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
 CP = str(Path(sys.executable).parent / "controlplane")
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 class Router:

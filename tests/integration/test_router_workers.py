@@ -22,16 +22,8 @@ from sim_fleet import SimReplica
 
 from deploy.processes import group_pids, spawn
 from deploy.redis_local import RedisServer
-from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    md = default_model_dir()
-    make_tiny_model(md)
-    return md
 
 
 class Workers(RouterProcess):
