@@ -94,6 +94,9 @@ class PolicyRequestRouter(RequestRouter):
         key_prefix: str = "rtr:pidx",
         lookup_budget_ms: float = 25.0,
         hash_secret_env: str = "CP_HASH_SECRET",
+        gpu: str = "cpu",
+        roofline_model: str = "tiny-llama",
+        block_size: int = 32,
         reservations: bool = True,
         speculative: bool = True,
         speculative_ttl_s: float = 10.0,
@@ -109,7 +112,13 @@ class PolicyRequestRouter(RequestRouter):
         )
         self.books = RoutingBooks(config)
         self.routing = ServeRouting(
-            self.books, model=model, tokenizer=tokenizer, hash_secret_env=hash_secret_env
+            self.books,
+            model=model,
+            tokenizer=tokenizer,
+            hash_secret_env=hash_secret_env,
+            gpu=gpu,
+            roofline_model=roofline_model,
+            block_size=block_size,
         )
         self._index_config = RedisConfig(
             url=redis_url, key_prefix=key_prefix, lookup_budget_ms=lookup_budget_ms
@@ -142,7 +151,7 @@ class PolicyRequestRouter(RequestRouter):
             return [candidate_replicas]
         rid = pending_request.metadata.internal_request_id
         now = time.time()
-        req = await self.routing.request(rid, *call, ServeRouting.block_size(stats), now)
+        req = await self.routing.request(rid, *call, self.routing.block_size(stats), now)
         if req is None:
             return [candidate_replicas]
         matches, lookup = await self._lookup(req.block_hashes, list(by_id))
