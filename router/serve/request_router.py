@@ -33,9 +33,10 @@ tokens): the engine replica returns it as the `x-cp-decision` header. Its reason
 `cp_serve_decisions_total{deployment,arm,policy,reason}` (Ray metrics) and set on a
 `cp.router.decide` span (`cp.decision.reason`, as the standalone router's).
 `on_request_routed` re-books the request if Serve sent it to another replica than the first
-choice; `on_request_completed` ends it exactly once (retracting the speculation after the grace
-the KV events need). Other calls (`record_routing_stats`, a body that is not a valid generation
-for this model) are routed by load alone: one tier with every candidate, Serve's own choice.
+choice; `on_request_completed`, or the caller cancelling before it was sent, ends it exactly
+once (retracting the speculation after the grace the KV events need). Other calls
+(`record_routing_stats`, a body that is not a valid generation for this model) are routed by
+load alone: one tier with every candidate, Serve's own choice.
 
 Ray is imported here only; nothing else in `router/` needs it.
 """
@@ -178,6 +179,13 @@ class PolicyRequestRouter(RequestRouter):
             routed, ops = books.commit(req, decision, snap, arm, now, lookup=lookup)
             self._routed[rid] = routed
             self._snapshots[rid] = snap
+        if old is None:  # a request cancelled while it waits for a replica is never routed
+
+            def on_done(future: asyncio.Future[Any], rid: str = rid) -> None:
+                if future.cancelled():
+                    self._cancelled(rid)
+
+            pending_request.future.add_done_callback(on_done)
         await self._apply(ops)
         pending_request.kwargs["routing"] = {
             "arm": arm.name,
@@ -270,6 +278,14 @@ class PolicyRequestRouter(RequestRouter):
         }
         if self._decisions is not None:
             self._decisions.inc(1.0, tags=tags)
+
+    def _cancelled(self, rid: str) -> None:
+        """The caller gave up before Serve sent the request anywhere: close its booking."""
+        with self._lock:
+            self._snapshots.pop(rid, None)
+            routed = self._routed.pop(rid, None)
+            if routed is not None:
+                self.books.finish(routed, None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:

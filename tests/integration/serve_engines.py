@@ -25,25 +25,47 @@ from typing import Any
 import redis
 
 from controlplane.types import DecisionReason
+from deploy.processes import pid_alive
 from router.serve.stats import EngineStats
 from router.telemetry import DECISION_HEADER, parse_decision_header
 
 APP = "engines"
+# after Serve and Ray shut down: how long the engine replicas' processes may take to go
+GONE_WAIT_S = 15.0
 
 
 @contextlib.contextmanager
-def local_serve(app: Any, deployment: str) -> Iterator[Any]:
-    """A local Ray cluster running `app`; yields a handle to `deployment`; shuts both down."""
+def local_serve(app: Any, deployment: str, replicas: int = 2) -> Iterator[Any]:
+    """A local Ray cluster running `app`; yields a handle to `deployment`; shuts both down and
+    checks that no process of the engine replicas (the engines' children included) is left."""
     import ray
     from ray import serve
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    pids: set[int] = set()
     try:
         serve.run(app, name=APP, route_prefix=None)
-        yield serve.get_deployment_handle(deployment, app_name=APP)
+        handle = serve.get_deployment_handle(deployment, app_name=APP)
+        pids = engine_pids(handle, replicas)
+        yield handle
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]
         ray.shutdown()
+    deadline = time.monotonic() + GONE_WAIT_S
+    while (left := {p for p in pids if pid_alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"engine processes left after shutdown: {sorted(left)}"
+
+
+def engine_pids(handle: Any, n: int, attempts: int = 50) -> set[int]:
+    """Every engine replica's processes (`process_ids()`; the calls land on any replica)."""
+    seen: dict[str, list[int]] = {}
+    for _ in range(attempts):
+        row = handle.process_ids.remote().result()
+        seen[row["replica_id"]] = row["pids"]
+        if len(seen) == n:
+            return {p for pids in seen.values() for p in pids}
+    raise AssertionError(f"process ids of {len(seen)} replicas only")
 
 
 @dataclass(frozen=True)
@@ -155,6 +177,7 @@ __all__ = [
     "chat",
     "check_prefix_affinity",
     "confirmed",
+    "engine_pids",
     "local_serve",
     "replica_stats",
     "wait_confirmed",

@@ -10,6 +10,7 @@ with no booking left: the ledger and the router's maps are empty.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -199,3 +200,16 @@ async def test_before_any_report_the_configured_profile(make_router: Any) -> Non
     routed = router._routed["r1"]
     assert routed.request.block_size == 64
     router.on_request_completed(reps[0 if rid == "a" else 1].replica_id, "r1")
+
+
+async def test_a_request_cancelled_before_it_is_sent_releases_its_booking(
+    make_router: Any,
+) -> None:
+    router = make_router(policy="least_loaded")
+    reps = [replica("a", reported_at=1.0), replica("b", reported_at=1.0)]
+    pr = pending("r1", completion())
+    await router.choose_replicas(reps, pr)
+    assert len(router.books.ledger) == 1
+    pr.future.cancel()  # the caller went away while Serve looked for a free replica
+    await asyncio.sleep(0)  # done callbacks run on the loop
+    assert len(router.books.ledger) == 0
