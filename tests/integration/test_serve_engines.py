@@ -214,5 +214,7 @@ def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
 
 
 def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack) -> None:
-    predicted = check_prefix_affinity(stack.handle, stack.redis, KEY_PREFIX, MODEL)
+    predicted = check_prefix_affinity(
+        stack.handle, stack.redis, KEY_PREFIX, MODEL, str(default_model_dir())
+    )
     assert predicted
