@@ -213,3 +213,49 @@ async def test_a_request_cancelled_before_it_is_sent_releases_its_booking(
     pr.future.cancel()  # the caller went away while Serve looked for a free replica
     await asyncio.sleep(0)  # done callbacks run on the loop
     assert len(router.books.ledger) == 0
+
+
+class FakeCounter:
+    """Stands in for the Ray metric: the tags of every increment."""
+
+    def __init__(self) -> None:
+        self.tags: list[dict[str, str]] = []
+
+    def inc(self, value: float, tags: dict[str, str]) -> None:
+        self.tags.append(tags)
+
+
+async def test_the_reason_is_a_metric_label_and_a_span_attribute(make_router: Any) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    router = make_router(policy="least_loaded")
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    router._tracer = provider.get_tracer("test")
+    counter = router._decisions = FakeCounter()
+    reps = [replica("a", reported_at=1.0), replica("b", waiting=2, reported_at=1.0)]
+    pr = pending("r1", completion())
+    await router.choose_replicas(reps, pr)
+    router.on_request_routed(pr, reps[0].replica_id, None)
+    router.on_request_completed(reps[0].replica_id, "r1")
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "cp.router.decide"
+    assert span.attributes is not None
+    assert span.attributes["cp.decision.reason"] == DecisionReason.LEAST_LOADED
+    assert span.attributes["cp.replica"] == "a"
+    assert counter.tags == [
+        {"deployment": "engine", "arm": "least_loaded", "policy": "least_loaded",
+         "reason": "least_loaded"}
+    ]  # fmt: skip
+
+
+def test_the_config_names_this_router() -> None:
+    from deploy.engines.deployment import policy_router_config
+    from router.serve.request_router import PolicyRequestRouter
+
+    config = policy_router_config(policy="round_robin", model=MODEL)
+    assert config.get_request_router_class() is PolicyRequestRouter
+    assert config.request_router_kwargs == {"policy": "round_robin", "model": MODEL}
