@@ -104,3 +104,16 @@ $(K8S_STAMP): | $(STAMP)
 .PHONY: k8s-tools
 k8s-tools: $(K8S_STAMP) ## helm, kubectl, checkov, kubernetes-validate, hadolint into .tools/bin (chart tests)
 unit: k8s-tools
+
+# -- ray[serve] layered over the vLLM venv: the vLLM engine replicas on Ray Serve run on it
+# (deploy/engines/vllm.py, deploy/vllm_ray_env.py)
+VLLM_RAY_VENV  ?= .venv-vllm-ray
+VLLM_RAY_STAMP := $(VLLM_RAY_VENV)/.vllm-ray-env-ok
+
+$(VLLM_RAY_STAMP): | $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m deploy.vllm_ray_env $(VLLM_VENV) $(VLLM_RAY_VENV)
+
+.PHONY: vllm-ray-env
+vllm-ray-env: $(VLLM_RAY_STAMP) ## ray[serve] over .venv-vllm (.venv-vllm-ray; ~320 MB, ~15 s, once)
+unit: $(VLLM_RAY_STAMP)
+unit: export CONTROLPLANE_VLLM_RAY_VENV := $(abspath $(VLLM_RAY_VENV))
