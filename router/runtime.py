@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 from opentelemetry import trace
@@ -43,8 +44,8 @@ from controlplane.routing.books import Routed, RoutingBooks
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import QuotaStore
 from router.config import ReplicaConfig, RouterSettings
-from router.core import RouterCore
-from router.fairness.queue import FairQueue
+from router.core import Prefetch, RouterCore
+from router.fairness.queue import FairQueue, Ticket
 from router.fairness.shared import fair_queue_for
 from router.fairness.tenants import QuotaHooks, key_ring, quota_store_for, salt_policy
 from router.fleet.follower import RegistryFollower
@@ -71,10 +72,17 @@ from router.telemetry.requests import RequestTelemetry
 from router.telemetry.tracing import TRACER_NAME
 from router.tokenizer import router_tokenizer
 
+if TYPE_CHECKING:
+    from router.http.relay import Exchange
+
 log = logging.getLogger("controlplane.router")
 
 
 class RouterRuntime:
+    # the upstream side of a request (router/http/relay.py's `Exchange` when None); the Serve
+    # ingress sends through a deployment handle instead (router/serve/ingress.py)
+    exchange_type: ClassVar[type[Exchange] | None] = None
+
     def __init__(
         self,
         settings: RouterSettings,
@@ -290,6 +298,14 @@ class RouterRuntime:
     ) -> RequestScope:
         """A new request's scope, closed by every part that keeps books about it."""
         return RequestScope(request_id, tenant, model, self.hooks, started_s, stream)
+
+    async def route(self, scope: RequestScope, ticket: Ticket, prefetched: Prefetch | None) -> None:
+        """Choose the request's replica (among those the fair queue found room on), book it,
+        and move its fair-queue slot there."""
+        assert scope.request is not None
+        routed = await self.core.route(scope.request, allowed=ticket.room, prefetched=prefetched)
+        scope.routed = routed
+        self.fairq.place(ticket, routed.replica_id, self.profile_of(routed))
 
     def profile_of(self, routed: Routed) -> EngineProfile:
         """The roofline profile of the replica a request was routed to."""
