@@ -43,6 +43,7 @@ from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.books import Routed, RoutingBooks
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import QuotaStore
+from controlplane.types import FleetSnapshot
 from router.config import ReplicaConfig, RouterSettings
 from router.core import Prefetch, RouterCore
 from router.fairness.queue import FairQueue, Ticket
@@ -140,7 +141,7 @@ class RouterRuntime:
         # the fair queue: local, or shared by every router in Redis (router/fairness/shared.py)
         self.fairq: FairQueue = fair_queue_for(
             settings,
-            self.fleet.snapshot,
+            self.fleet_snapshot,
             on_change=lambda tenant, queued: self.metrics.queued.labels(tenant).set(queued),
             on_outcome=lambda outcome: self.metrics.fair_shared.labels(outcome).inc(),
         )
@@ -275,9 +276,16 @@ class RouterRuntime:
         self.ledger.drop_replica(replica_id)
         await self.index.clear(replica_id)
 
+    def fleet_snapshot(self) -> FleetSnapshot:
+        """The replicas requests go to, as the fair queue sizes its room on them."""
+        return self.fleet.snapshot()
+
+    def ready_count(self) -> int:
+        return self.fleet.ready_count()
+
     def degraded_reasons(self) -> list[str]:
         reasons = []
-        if self.fleet.ready_count() == 0:
+        if self.ready_count() == 0:
             reasons.append("no ready replica")
         if self.follower.degraded_reason:
             reasons.append(self.follower.degraded_reason)
