@@ -31,6 +31,8 @@ deployment's replicas are the fleet) and with a tokenizer of its own (a model di
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from controlplane.errors import ConfigError
@@ -48,6 +50,12 @@ from router.scope import RequestScope
 from router.serve.links import LINKS, EngineView
 from router.serve.upstream import HandlePool
 from router.telemetry import DECISION_HEADER, parse_decision_header
+
+log = logging.getLogger("controlplane.router.serve")
+
+# how long the ingress waits at startup for its handle's request router (Serve creates it when the
+# engine deployment's config reaches the handle): until then the fair queue sees no replica
+VIEW_WAIT_S = 30.0
 
 # the replica id `Proxy.send` records failures under before the decision is known (the live
 # fleet of an ingress is empty: nothing is recorded)
@@ -97,6 +105,21 @@ class IngressRuntime(RouterRuntime):
         super().__init__(settings, **kwargs)
         # the routing books are the request router's (kept by Serve's hooks): not this scope's
         self.hooks = tuple(h for h in self.hooks if h is not self.core)
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + VIEW_WAIT_S
+        while self.view is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self.view is None:
+            log.warning(
+                "no request router of ours for %s/%s after %.0f s: is the engine deployment's "
+                "request_router_class router.serve.ingress_router:IngressRequestRouter?",
+                self.app_name,
+                self.deployment,
+                VIEW_WAIT_S,
+            )
 
     @property
     def view(self) -> EngineView | None:
