@@ -28,6 +28,15 @@ def stats_config(**fields: Any) -> RequestRouterConfig:
     )
 
 
+POLICY_ROUTER = "router.serve.request_router:PolicyRequestRouter"
+
+
+def policy_router_config(**kwargs: Any) -> RequestRouterConfig:
+    """Our RequestRouter (router/serve/request_router.py) with `initialize_state` kwargs:
+    `policy`, `policy_params`, `model`, `tokenizer`, `redis_url`, `key_prefix`, ..."""
+    return stats_config(request_router_class=POLICY_ROUTER, request_router_kwargs=kwargs)
+
+
 def engine_deployment(
     cls: type,
     *,
@@ -54,4 +63,10 @@ def engine_deployment(
     return deployment
 
 
-__all__ = ["STATS_PERIOD_S", "engine_deployment", "stats_config"]
+__all__ = [
+    "POLICY_ROUTER",
+    "STATS_PERIOD_S",
+    "engine_deployment",
+    "policy_router_config",
+    "stats_config",
+]

@@ -1,16 +1,22 @@
-"""Simulated engines as a Ray Serve deployment (deploy/engines/), called through a handle.
+"""Simulated engines as a Ray Serve deployment (deploy/engines/), called through a handle, routed
+by our RequestRouter (router/serve/request_router.py, prefix affinity).
 
 One local Ray cluster (2 CPUs) runs two replicas of the simulated-engine deployment, each with
-the engine in process, following its own KV events into a private Redis. Beside it, the same
+the engine in process, following its own KV events into a private Redis; the driver's handle
+routes with `PolicyRequestRouter` over that index. Beside it, the same
 engine as an HTTP server (`controlplane sim-replica`): every request of the table goes to both,
 and the handle's answer (head, then body chunks) must be the server's, byte for byte once the
 creation time is set aside: error JSON, usage, SSE events. The replicas report their routing
 stats (engine figures, KV-event endpoints, load time) and their blocks reach the shared index.
+Prompts sharing a prefix land on the replica that holds it, for the policy's reason (the
+`x-cp-decision` header the replica returns), and that engine's own prefix-cache counters count
+the hits.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,8 +28,10 @@ import redis
 from redis_server import RedisServer, available
 from sim_fleet import SimReplica
 
+from controlplane.types import DecisionReason
 from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.serve.stats import EngineStats
+from router.telemetry import DECISION_HEADER, parse_decision_header
 
 pytestmark = [
     pytest.mark.redis,
@@ -56,6 +64,7 @@ def stack() -> Iterator[Stack]:
     import ray
     from ray import serve
 
+    from deploy.engines.deployment import policy_router_config
     from deploy.engines.sim import DEPLOYMENT, SimEngineArgs, sim_engine_app
 
     md = default_model_dir()
@@ -71,7 +80,15 @@ def stack() -> Iterator[Stack]:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         admin = redis.Redis.from_url(server.url, socket_timeout=5)
         try:
-            serve.run(sim_engine_app(args, num_replicas=2), name=APP, route_prefix=None)
+            router = policy_router_config(
+                policy="prefix_affinity",
+                model=MODEL,
+                tokenizer=str(md),
+                redis_url=server.url,
+                key_prefix=KEY_PREFIX,
+            )
+            app = sim_engine_app(args, num_replicas=2, request_router=router)
+            serve.run(app, name=APP, route_prefix=None)
             handle = serve.get_deployment_handle(DEPLOYMENT, app_name=APP)
             yield Stack(handle, sim.url, admin)
         finally:
@@ -230,3 +247,56 @@ def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
             time.sleep(0.05)
     rows = [stack.handle.follower_status.remote().result() for _ in range(6)]
     assert all(len(r) == 1 and r[0]["lost"] == 0 for r in rows)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))
+        for _ in range(n)
+    )
+
+
+def wait_confirmed(stack: Stack, replica: str, above: int, timeout_s: float = 10.0) -> None:
+    """Until the index holds more than `above` confirmed blocks of `replica`."""
+    deadline = time.monotonic() + timeout_s
+    while stack.redis.scard(f"{KEY_PREFIX}:c:{replica}") <= above:
+        assert time.monotonic() < deadline, f"no new confirmed block of {replica} in Redis"
+        time.sleep(0.02)
+
+
+def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack) -> None:
+    rng = random.Random(7)
+    before = replica_stats(stack)
+    confirmed = {rid: stack.redis.scard(f"{KEY_PREFIX}:c:{rid}") for rid in before}
+    holders: dict[str, int] = {}  # replica -> predicted hit tokens of the requests sent to it
+    reasons: set[str] = set()
+    for p in range(3):
+        prefix = words(rng, 80)
+        first = via_handle(stack, "POST", "/v1/chat/completions",
+                           chat(f"{prefix} question zero", max_tokens=4), f"pfx{p}-0")  # fmt: skip
+        assert first.status == 200
+        d0 = parse_decision_header(first.headers[DECISION_HEADER])
+        # a prefix nobody holds: the policy's miss, to the least loaded replica
+        assert d0["reason"] == DecisionReason.MISS_LEAST_LOADED, d0
+        holder = d0["replica"]
+        assert holder in before
+        wait_confirmed(stack, holder, above=confirmed[holder])
+        confirmed[holder] = stack.redis.scard(f"{KEY_PREFIX}:c:{holder}")
+        for i in range(1, 4):
+            again = via_handle(stack, "POST", "/v1/chat/completions",
+                               chat(f"{prefix} question {i}", max_tokens=4, stream=True),
+                               f"pfx{p}-{i}")  # fmt: skip
+            assert again.status == 200
+            d = parse_decision_header(again.headers[DECISION_HEADER])
+            reasons.add(d["reason"])
+            assert d["replica"] == holder, (d0, d)
+            assert d["reason"] == DecisionReason.PREFIX_HIT, d
+            hit = int(d["predicted_hit_tokens"])
+            assert hit > 0
+            holders[holder] = holders.get(holder, 0) + hit
+    assert reasons == {DecisionReason.PREFIX_HIT}
+    # the engines' own counters: each holder's cache served at least the predicted hits
+    after = replica_stats(stack)
+    for rid, predicted in holders.items():
+        gained = after[rid].prefix_cache_hits - before[rid].prefix_cache_hits
+        assert gained >= predicted, (rid, gained, predicted)
