@@ -54,7 +54,8 @@ from router.telemetry import DECISION_HEADER, parse_decision_header
 log = logging.getLogger("controlplane.router.serve")
 
 # how long the ingress waits at startup for its handle's request router (Serve creates it when the
-# engine deployment's config reaches the handle): until then the fair queue sees no replica
+# engine deployment's config reaches the handle) to see an engine replica: until then the fair
+# queue sees none (503, as a standalone router before its replicas are ready)
 VIEW_WAIT_S = 30.0
 
 # the replica id `Proxy.send` records failures under before the decision is known (the live
@@ -110,7 +111,7 @@ class IngressRuntime(RouterRuntime):
         await super().start()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + VIEW_WAIT_S
-        while self.view is None and loop.time() < deadline:
+        while self.ready_count() == 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if self.view is None:
             log.warning(

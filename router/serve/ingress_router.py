@@ -23,11 +23,19 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 
 from controlplane.types import FleetSnapshot
-from router.serve.links import LINKS
+from router.serve.links import Links
 from router.serve.request_router import PolicyRequestRouter
 from router.serve.stats import EngineStats
 
 INGRESS_ROUTER = "router.serve.ingress_router:IngressRequestRouter"
+
+
+def _links() -> Links:
+    """This process's links. Serve ships a request router's module by value (cloudpickle), so
+    a module-level reference to the singleton would travel as a copy: import it where it runs."""
+    from router.serve.links import LINKS
+
+    return LINKS
 
 
 def request_key(pending: PendingRequest | None) -> str | None:
@@ -46,19 +54,24 @@ def request_key(pending: PendingRequest | None) -> str | None:
 
 
 class IngressRequestRouter(PolicyRequestRouter):
-    def initialize_state(self, **kwargs: Any) -> None:
+    def initialize_state(self, **kwargs: Any) -> None:  # type: ignore[override]
         super().initialize_state(**kwargs)
         dep = self._deployment_id
         self._view_key = (dep.app_name, dep.name) if dep is not None else None
         if self._view_key is not None:
-            LINKS.publish(*self._view_key, self)
+            _links().publish(*self._view_key, self)
 
     def snapshot(self) -> FleetSnapshot:
-        """The engine replicas now, as the policies see them (any thread)."""
-        replicas = list(self.curr_replicas.values())
-        stats = {r.replica_id.unique_id: EngineStats.from_dict(r.routing_stats) for r in replicas}
+        """The engine replicas that reported their stats, as the policies see them (any
+        thread). One that has not reported yet (just started) is not in it: its KV capacity
+        and profile are unknown, so the ingress's fair queue gives it no room yet."""
+        stats = {}
+        for r in list(self.curr_replicas.values()):
+            s = EngineStats.from_dict(r.routing_stats)
+            if s is not None:
+                stats[r.replica_id.unique_id] = s
         with self._lock:
-            return self.routing.snapshot(stats, self.books.ledger, time.time())
+            return self.routing.snapshot(dict(stats), self.books.ledger, time.time())
 
     async def choose_replicas(
         self,
@@ -82,7 +95,7 @@ class IngressRequestRouter(PolicyRequestRouter):
         with self._lock:
             routed = self._routed.get(pending.metadata.internal_request_id)
         if routed is not None:
-            LINKS.decided(key, routed)
+            _links().decided(key, routed)
 
 
 __all__ = ["INGRESS_ROUTER", "IngressRequestRouter", "request_key"]
