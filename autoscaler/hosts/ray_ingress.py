@@ -23,6 +23,10 @@ thread; `ApplicationState.autoscale` calls an application's deployments in turn)
 is a plain dict: no I/O, no lock on the control loop. An entry older than `stale_s` (the ingress
 is gone, or reports nothing) is no data: the engine's policy holds its target rather than read
 silence as zero demand.
+
+Serve pickles each policy's module by value when the application is deployed: the policies reach
+the board through `board()`, which imports it in the controller, never through a module-level
+name (that would travel as a copy, one per policy).
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ class DemandBoard:
 BOARD = DemandBoard()
 
 
+def board() -> DemandBoard:
+    """This process's `BOARD`. Serve ships a policy's module by value (cloudpickle), so a
+    policy that named the module-level `BOARD` would carry a copy of it: import it where the
+    policy runs."""
+    from autoscaler.hosts.ray_ingress import BOARD
+
+    return BOARD
+
+
 class IngressDemandConfig(BaseSettings):
     """`policy_kwargs` of the ingress deployment's policy."""
 
@@ -100,7 +113,7 @@ class IngressDemand:
             raise ConfigError(f"invalid ingress demand policy kwargs:\n{exc}") from None
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        BOARD.post(str(ctx.app_name), str(ctx.deployment_name), ctx.raw_metrics or {}, _now(ctx))
+        board().post(str(ctx.app_name), str(ctx.deployment_name), ctx.raw_metrics or {}, _now(ctx))
         target = self.config.replicas or int(ctx.target_num_replicas)
         lo, hi = int(ctx.capacity_adjusted_min_replicas), int(ctx.capacity_adjusted_max_replicas)
         return max(lo, min(hi, target)), dict(ctx.policy_state)
@@ -132,5 +145,6 @@ __all__ = [
     "DemandBoard",
     "IngressDemand",
     "IngressDemandConfig",
+    "board",
     "ingress_autoscaling_config",
 ]

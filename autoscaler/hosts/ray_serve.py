@@ -49,11 +49,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from autoscaler.controller import counter_delta, load_policy
 from autoscaler.hosts import FleetObservation, LoadTimes
-from autoscaler.hosts.ray_ingress import BOARD
+from autoscaler.hosts.ray_ingress import board
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
 from controlplane.errors import ConfigError
 
-log = logging.getLogger("controlplane.autoscaler.ray")
+# a child of Serve's logger: the decisions land in the controller's log (serve/controller_*.log)
+log = logging.getLogger("ray.serve.controlplane.autoscaler")
 
 ARRIVALS = "cp_demand_arrivals_total"
 PREFILL = "cp_demand_prefill_work_seconds_total"
@@ -252,7 +253,7 @@ class ServeAutoscaler:
         raw: dict[str, dict[Any, Any]] | None = ctx.raw_metrics or {}
         if cfg.demand == "ingress":
             app = str(ctx.app_name)
-            raw = BOARD.read(app, cfg.ingress_deployment, now, cfg.ingress_stale_s)
+            raw = board().read(app, cfg.ingress_deployment, now, cfg.ingress_stale_s)
         baselines = st.baselines
         if raw is None:  # the ingress posted nothing lately: hold, and baseline afresh
             sample, baselines = DemandSample(t_s=now, interval_s=0.0), None

@@ -70,6 +70,8 @@ class IngressRequestRouter(PolicyRequestRouter):
             s = EngineStats.from_dict(r.routing_stats)
             if s is not None:
                 stats[r.replica_id.unique_id] = s
+        if not stats:
+            return FleetSnapshot((), time.time())
         with self._lock:
             return self.routing.snapshot(dict(stats), self.books.ledger, time.time())
 
