@@ -181,7 +181,7 @@ def test_policies_shipped_by_value_meet_on_one_board() -> None:
     for module in (ray_ingress, ray_serve):
         cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
     try:
-        shipped = cloudpickle.dumps((IngressDemand, ServeAutoscaler))
+        shipped = cloudpickle.dumps((IngressDemand, ServeAutoscaler))  # type: ignore[no-untyped-call]
     finally:
         for module in (ray_ingress, ray_serve):
             cloudpickle.unregister_pickle_by_value(module)  # type: ignore[no-untyped-call]
