@@ -8,8 +8,10 @@ STAMP  := $(VENV)/.installed
 OUT    ?= out
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
+VLLM_RAY_VENV  ?= .venv-vllm-ray
+VLLM_RAY_STAMP := $(VLLM_RAY_VENV)/.vllm-ray-env-ok
 
-.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env fleet redis-server chromium
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env vllm-ray-env fleet redis-server chromium
 
 help: ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -59,11 +61,17 @@ $(VLLM_STAMP): | $(STAMP)
 
 vllm-env: $(VLLM_STAMP) ## real vLLM CPU build in its own venv (.venv-vllm; ~3.5 GB, ~2 min, once)
 
+$(VLLM_RAY_STAMP): | $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m deploy.vllm_ray_env $(VLLM_VENV) $(VLLM_RAY_VENV)
+
+vllm-ray-env: $(VLLM_RAY_STAMP) ## ray[serve] layered over .venv-vllm (.venv-vllm-ray; ~320 MB, ~15 s, once)
+
 fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
 	$(BIN)/controlplane fleet up --engine vllm --replicas 2
 
-unit: $(STAMP) $(VLLM_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
-	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q
+unit: $(STAMP) $(VLLM_STAMP) $(VLLM_RAY_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
+	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) \
+	CONTROLPLANE_VLLM_RAY_VENV=$(abspath $(VLLM_RAY_VENV)) $(BIN)/pytest -q
 
 test: lint typecheck unit ## everything CI runs
 

@@ -94,6 +94,16 @@ def connectable(endpoint: str | None) -> str | None:
     return endpoint
 
 
+def serve_replica_rank() -> int:
+    """The Serve replica's rank in its deployment (0 outside Serve)."""
+    try:
+        from ray import serve
+
+        return int(serve.get_replica_context().rank.rank)
+    except Exception:
+        return 0
+
+
 def serve_replica_id() -> str:
     """The Serve replica's unique id (the routers' `ReplicaID.unique_id`); outside Serve, the
     host and pid."""
@@ -166,7 +176,7 @@ class EngineServer:
         self.follower.start()
 
     # -- what a subclass provides ----------------------------------------------------------------
-    def _engine_figures(self) -> dict[str, Any]:
+    async def _engine_figures(self) -> dict[str, Any]:
         """running, waiting, kv_usage, prefix_cache_queries, prefix_cache_hits, num_gpu_blocks,
         max_model_len: the engine's own numbers now."""
         raise NotImplementedError
@@ -203,7 +213,7 @@ class EngineServer:
         finally:
             await parts.aclose()
 
-    def stats(self) -> EngineStats:
+    async def stats(self) -> EngineStats:
         args = self.args
         return EngineStats(
             engine=self.engine,
@@ -220,11 +230,11 @@ class EngineServer:
             ready_at=self.ready_at,
             load_s=self.ready_at - self.started_at if self.ready_at else 0.0,
             reported_at=time.time(),
-            **self._engine_figures(),
+            **await self._engine_figures(),
         )
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        return self.stats().to_dict()
+        return (await self.stats()).to_dict()
 
     async def follower_status(self) -> list[dict[str, Any]]:
         """The KV-event follower's row (`ReplicaStatus` as a dict); empty without one."""
@@ -254,4 +264,11 @@ class EngineServer:
         await self.aclose()
 
 
-__all__ = ["EngineArgs", "EngineServer", "connectable", "node_address", "serve_replica_id"]
+__all__ = [
+    "EngineArgs",
+    "EngineServer",
+    "connectable",
+    "node_address",
+    "serve_replica_id",
+    "serve_replica_rank",
+]

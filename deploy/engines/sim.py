@@ -70,7 +70,7 @@ class SimEngineReplica(EngineServer):
         assert pub is not None
         self._ready(pub.endpoint, pub.replay_endpoint or None)
 
-    def _engine_figures(self) -> dict[str, Any]:
+    async def _engine_figures(self) -> dict[str, Any]:
         g = self.replica.loop.gauges()
         return {
             "running": g.running,
