@@ -23,8 +23,10 @@ with `args:`, a `FleetArgs`):
 
 The engines' model, its directory and the prefix index follow the router settings
 (`served_model`, `tokenizer` when it is a directory, `redis.url`, `redis.key_prefix`) unless
-`engine_args` names them. Relative paths are resolved against the current directory of the
-process that builds the app.
+`engine_args` names them. Relative paths are the current directory's (where `serve run` was
+started: a local cluster's workers inherit it). Our RequestRouter's kwargs are the router
+settings' as written in `args` (a config that `serve build` writes carries them): what `args`
+leaves out (Redis) it reads from the CP_* environment where it runs, as the ingress does.
 """
 
 from __future__ import annotations
@@ -101,6 +103,11 @@ class FleetArgs(BaseModel):
     metrics_interval_s: float = Field(
         default=1.0, gt=0, description="How often ingress replicas report their demand."
     )
+    engine_python: str | None = Field(
+        default=None,
+        description="vllm: the interpreter of the engine replicas (a venv with ray and vllm; "
+        "None: $CONTROLPLANE_VLLM_RAY_VENV or .venv-vllm-ray, deploy/vllm_ray_env.py).",
+    )
     router_config: str | None = Field(default=None, description="Router YAML (router/config.py).")
     router: dict[str, Any] = Field(
         default_factory=dict, description="Router settings, over CP_* env and router_config."
@@ -117,6 +124,7 @@ def parse_args(args: dict[str, Any] | FleetArgs | None) -> FleetArgs:
 
 
 def _absolute(path: str) -> str:
+    """A relative path that exists in the current directory, as an absolute one."""
     p = Path(path)
     return str(p.resolve()) if not p.is_absolute() and p.exists() else path
 
@@ -148,7 +156,7 @@ def engine_args(args: FleetArgs, settings: RouterSettings) -> Any:
             from deploy.engines.sim import SimEngineArgs
 
             return SimEngineArgs(**{**implied, **given})
-        from deploy.engines.vllm import VllmEngineArgs  # type: ignore[import-not-found]
+        from deploy.engines.vllm import VllmEngineArgs
 
         return VllmEngineArgs(**{**implied, **given})
     except ValidationError as exc:
@@ -159,20 +167,24 @@ def router_kwargs(args: FleetArgs, settings: RouterSettings) -> dict[str, Any]:
     """Our RequestRouter's `initialize_state` kwargs: the router settings', `request_router`
     over them."""
     p = settings.policy
-    return {
+    kwargs: dict[str, Any] = {
         "policy": p.name,
         "policy_params": dict(p.params),
         "model": settings.served_model,
-        "tokenizer": settings.tokenizer,
-        "redis_url": settings.redis.url,
-        "key_prefix": settings.redis.key_prefix,
+        # as written: a relative path is the workers' (the directory `serve run` started in)
+        "tokenizer": args.router.get("tokenizer", settings.tokenizer),
         "hash_secret_env": settings.hash_secret_env,
         "reservations": p.reservations,
         "speculative": p.speculative,
         "speculative_ttl_s": p.speculative_ttl_s,
         "retract_grace_s": p.retract_grace_s,
-        **args.request_router,
     }
+    # Redis only when the args name it: from the environment, the request router reads it
+    # where it runs (a built config must not carry the building machine's CP_REDIS__URL)
+    redis = args.router.get("redis") or {}
+    if redis.get("url"):
+        kwargs |= {"redis_url": settings.redis.url, "key_prefix": settings.redis.key_prefix}
+    return {**kwargs, **args.request_router}
 
 
 def engine_class(kind: str) -> type:
@@ -184,6 +196,17 @@ def engine_class(kind: str) -> type:
 
     cls: type = VllmEngineReplica
     return cls
+
+
+def engine_runtime_env(args: FleetArgs) -> dict[str, Any] | None:
+    """vllm: the replicas run on an interpreter that has vLLM beside ray (`py_executable`)."""
+    if args.engine != "vllm":
+        return None
+    if args.engine_python:
+        return {"py_executable": _absolute(args.engine_python)}
+    from deploy.vllm_ray_env import default_ray_venv
+
+    return {"py_executable": str(default_ray_venv() / "bin" / "python")}
 
 
 def build_fleet(args: dict[str, Any] | FleetArgs | None) -> serve.Application:
@@ -204,6 +227,7 @@ def build_fleet(args: dict[str, Any] | FleetArgs | None) -> serve.Application:
         num_cpus=parsed.engine_num_cpus,
         max_ongoing_requests=parsed.engine_max_ongoing_requests,
         request_router=router,
+        runtime_env=engine_runtime_env(parsed),
         graceful_shutdown_timeout_s=parsed.graceful_shutdown_timeout_s,
     ).options(graceful_shutdown_wait_loop_s=parsed.graceful_shutdown_wait_loop_s)
     ingress = IngressDeployment.options(

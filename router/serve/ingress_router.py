@@ -10,8 +10,9 @@ the same process reads from it (router/serve/links.py):
   Serve routed the call (re-published when Serve sent it to a later tier than the first choice).
 
 Select it with `RequestRouterConfig(request_router_class=INGRESS_ROUTER, request_router_kwargs=
-...)` (the kwargs of `PolicyRequestRouter.initialize_state`); calls without an ingress behind
-them are routed exactly as by `PolicyRequestRouter`.
+...)` (the kwargs of `PolicyRequestRouter.initialize_state`; without `redis_url`, the Redis of the
+router settings in this process's environment, `CP_REDIS__URL`, as the ingress reads it); calls
+without an ingress behind them are routed exactly as by `PolicyRequestRouter`.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def request_key(pending: PendingRequest | None) -> str | None:
 
 class IngressRequestRouter(PolicyRequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:  # type: ignore[override]
+        if "redis_url" not in kwargs:  # the environment's, as the ingress beside it reads it
+            from router.config import load_settings
+
+            redis = load_settings().redis
+            kwargs |= {"redis_url": redis.url, "key_prefix": redis.key_prefix}
         super().initialize_state(**kwargs)
         dep = self._deployment_id
         self._view_key = (dep.app_name, dep.name) if dep is not None else None
