@@ -174,6 +174,12 @@ def check_settings(settings: RouterSettings) -> None:
             "the Serve ingress tokenizes prompts itself: set `tokenizer` to the model's "
             "directory (or tokenizer.json), or to `approx`"
         )
+    f = settings.fleet
+    if f.shared or f.dns_name or f.kubernetes is not None:
+        raise ConfigError(
+            "the Serve ingress discovers no replicas (fleet.shared, fleet.dns_name, "
+            "fleet.kubernetes): its engines are its engine deployment's replicas"
+        )
 
 
 __all__ = ["UNDECIDED", "HandleExchange", "IngressRuntime", "check_settings"]
