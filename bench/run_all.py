@@ -19,6 +19,7 @@ BENCHES = (
     "index_bench.py",
     "router_overhead.py",
     "live_quality.py",
+    "serve_engines_bench.py",
     "quota_bench.py",
     # after quota_bench: both write out/bench/fairness.json, this one merges into it
     "fairness_bench.py",

@@ -57,6 +57,37 @@ def group_alive(pgid: int) -> bool:
     return bool(group_pids(pgid))
 
 
+def descendants(pid: int) -> list[int]:
+    """Pids of the live processes below `pid` (children, theirs, ...; Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    out: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` is a process that is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2 :].split()[0] not in ("Z", "X")
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

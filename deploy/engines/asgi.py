@@ -9,7 +9,8 @@ lower-case header names, the lifespan's state), run the app in a task of its own
 body as one `http.request` message, and pass on what it sends through a queue. When the caller
 stops reading (the generator is closed: the client went away, or Serve cancelled the call), the
 app's next `receive()` answers `http.disconnect` (so a streaming engine aborts the request, as it
-does when an HTTP client disconnects) and the task is cancelled if it has not ended by then.
+does when an HTTP client disconnects), what it still sends is dropped (as uvicorn drops it), and
+the task is cancelled if it has not ended `DISCONNECT_GRACE_S` later.
 
 `Lifespan` runs the app's lifespan protocol (startup before the first request, shutdown at the
 end), as uvicorn does with `lifespan="on"`; its state dict goes into every request's scope.
@@ -87,7 +88,7 @@ async def asgi_request(
 
     async def send(message: Message) -> None:
         if gone.is_set():
-            raise OSError("the caller went away")  # what a server raises on a closed socket
+            return  # as uvicorn does once the client is gone: the app winds down on its own
         await sent.put(message)
 
     async def run() -> None:

@@ -244,6 +244,13 @@ class EngineServer:
             return []
         return [dataclasses.asdict(row) for row in self.follower.status()]
 
+    async def process_ids(self) -> dict[str, Any]:
+        """This replica's id, its process and every process below it (vLLM's EngineCore and
+        workers): what must be gone once Serve stopped the replica (tests check it)."""
+        from deploy.processes import descendants
+
+        return {"replica_id": self.replica_id, "pids": [os.getpid(), *descendants(os.getpid())]}
+
     async def check_health(self) -> None:
         if not self._healthy():
             raise RuntimeError(f"{self.engine} engine of replica {self.replica_id} is unhealthy")

@@ -33,9 +33,10 @@ tokens): the engine replica returns it as the `x-cp-decision` header. Its reason
 `cp_serve_decisions_total{deployment,arm,policy,reason}` (Ray metrics) and set on a
 `cp.router.decide` span (`cp.decision.reason`, as the standalone router's).
 `on_request_routed` re-books the request if Serve sent it to another replica than the first
-choice; `on_request_completed` ends it exactly once (retracting the speculation after the grace
-the KV events need). Other calls (`record_routing_stats`, a body that is not a valid generation
-for this model) are routed by load alone: one tier with every candidate, Serve's own choice.
+choice; `on_request_completed`, or the caller cancelling before it was sent, ends it exactly
+once (retracting the speculation after the grace the KV events need). Other calls
+(`record_routing_stats`, a body that is not a valid generation for this model) are routed by
+load alone: one tier with every candidate, Serve's own choice.
 
 Ray is imported here only; nothing else in `router/` needs it.
 """
@@ -94,6 +95,9 @@ class PolicyRequestRouter(RequestRouter):
         key_prefix: str = "rtr:pidx",
         lookup_budget_ms: float = 25.0,
         hash_secret_env: str = "CP_HASH_SECRET",
+        gpu: str = "cpu",
+        roofline_model: str = "tiny-llama",
+        block_size: int = 32,
         reservations: bool = True,
         speculative: bool = True,
         speculative_ttl_s: float = 10.0,
@@ -109,7 +113,13 @@ class PolicyRequestRouter(RequestRouter):
         )
         self.books = RoutingBooks(config)
         self.routing = ServeRouting(
-            self.books, model=model, tokenizer=tokenizer, hash_secret_env=hash_secret_env
+            self.books,
+            model=model,
+            tokenizer=tokenizer,
+            hash_secret_env=hash_secret_env,
+            gpu=gpu,
+            roofline_model=roofline_model,
+            block_size=block_size,
         )
         self._index_config = RedisConfig(
             url=redis_url, key_prefix=key_prefix, lookup_budget_ms=lookup_budget_ms
@@ -142,7 +152,7 @@ class PolicyRequestRouter(RequestRouter):
             return [candidate_replicas]
         rid = pending_request.metadata.internal_request_id
         now = time.time()
-        req = await self.routing.request(rid, *call, ServeRouting.block_size(stats), now)
+        req = await self.routing.request(rid, *call, self.routing.block_size(stats), now)
         if req is None:
             return [candidate_replicas]
         matches, lookup = await self._lookup(req.block_hashes, list(by_id))
@@ -169,6 +179,13 @@ class PolicyRequestRouter(RequestRouter):
             routed, ops = books.commit(req, decision, snap, arm, now, lookup=lookup)
             self._routed[rid] = routed
             self._snapshots[rid] = snap
+        if old is None:  # a request cancelled while it waits for a replica is never routed
+
+            def on_done(future: asyncio.Future[Any], rid: str = rid) -> None:
+                if future.cancelled():
+                    self._cancelled(rid)
+
+            pending_request.future.add_done_callback(on_done)
         await self._apply(ops)
         pending_request.kwargs["routing"] = {
             "arm": arm.name,
@@ -261,6 +278,14 @@ class PolicyRequestRouter(RequestRouter):
         }
         if self._decisions is not None:
             self._decisions.inc(1.0, tags=tags)
+
+    def _cancelled(self, rid: str) -> None:
+        """The caller gave up before Serve sent the request anywhere: close its booking."""
+        with self._lock:
+            self._snapshots.pop(rid, None)
+            routed = self._routed.pop(rid, None)
+            if routed is not None:
+                self.books.finish(routed, None)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:

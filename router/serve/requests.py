@@ -15,7 +15,8 @@ load.
 engine figures from the replica's last routing stats (`EngineStats`), its roofline profile from
 the roofline keys, block size and KV blocks it reports, and this router's own in-flight work on it
 (the routing books' ledger). A replica that has not reported yet is modelled with the fleet's
-first reported profile (or the default one) and no engine load.
+first reported profile (before any report: the configured `gpu`, `roofline_model` and
+`block_size`) and no engine load.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from router.http.prompts import sequences
 from router.serve.stats import EngineStats
 
 ENDPOINTS: dict[str, Endpoint] = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-DEFAULT_BLOCK_SIZE = 16
 
 
 @lru_cache(maxsize=64)
@@ -74,9 +74,14 @@ class ServeRouting:
         model: str,
         tokenizer: str | None,
         hash_secret_env: str = "CP_HASH_SECRET",
+        gpu: str = "cpu",
+        roofline_model: str = "tiny-llama",
+        block_size: int = 32,
     ) -> None:
         self.books = books
         self.model = model
+        # what a replica is modelled as before it reports (its report overrides all three)
+        self.default_profile = _profile(gpu, roofline_model, 1, block_size, 0, 0)
         self.tokenizer = open_tokenizer(tokenizer, model=model)
         self.secret = os.environ.get(hash_secret_env, "").encode()
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
@@ -135,11 +140,7 @@ class ServeRouting:
         self, stats: Mapping[str, EngineStats | None], ledger: RouterLedger, now: float
     ) -> FleetSnapshot:
         reported = [s for s in stats.values() if s is not None]
-        fallback = (
-            profile_of(reported[0])
-            if reported
-            else _profile("cpu", "tiny-llama", 1, DEFAULT_BLOCK_SIZE, 0, 0)
-        )
+        fallback = profile_of(reported[0]) if reported else self.default_profile
         states = []
         for rid, s in stats.items():
             metrics = EngineMetrics()
@@ -156,10 +157,10 @@ class ServeRouting:
             )
         return FleetSnapshot(tuple(states), now)
 
-    @staticmethod
-    def block_size(stats: Mapping[str, EngineStats | None]) -> int:
-        """The engines' block size (the first reported; the default before any report)."""
-        return next((s.block_size for s in stats.values() if s is not None), DEFAULT_BLOCK_SIZE)
+    def block_size(self, stats: Mapping[str, EngineStats | None]) -> int:
+        """The engines' block size (the first reported; the configured one before any)."""
+        reported = (s.block_size for s in stats.values() if s is not None)
+        return next(reported, self.default_profile.resolved_block_size)
 
 
 __all__ = ["ENDPOINTS", "ServeRouting", "profile_of"]

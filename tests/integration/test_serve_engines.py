@@ -15,6 +15,7 @@ replica returns), and that engine's own prefix-cache counters count the hits.
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from serve_engines import (
     local_serve,
     replica_stats,
     wait_confirmed,
+    words,
 )
 from sim_fleet import SimReplica
 
@@ -186,11 +188,13 @@ def test_handle_answers_as_the_http_server(stack: Stack, case: Case) -> None:
 
 
 def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
-    for i in range(6):  # both replicas get some of them (Serve's default router)
-        answer = call(stack.handle, "POST", "/v1/completions",
-                            json.dumps({"model": MODEL, "prompt": "shared words " * 40 + str(i),
-                                        "max_tokens": 2}).encode(), f"idx-{i}")  # fmt: skip
+    rng = random.Random(3)
+    served: set[str] = set()  # the replicas that served prompts of several full blocks
+    for i in range(6):
+        body = {"model": MODEL, "prompt": words(rng, 60), "max_tokens": 2}
+        answer = call(stack.handle, "POST", "/v1/completions", json.dumps(body).encode(), f"i{i}")
         assert answer.status == 200
+        served.add(answer.decision["replica"])
     stats = replica_stats(stack.handle)
     for s in stats.values():
         assert (s.engine, s.model, s.block_size) == ("sim", MODEL, 32)
@@ -201,8 +205,7 @@ def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
         assert s.load_s >= LOAD_TIME_S and s.ready_at > s.started_at
         assert s.num_gpu_blocks > 0 and s.max_model_len > 0
         assert s.prefix_cache_queries >= s.prefix_cache_hits >= 0
-    served = [rid for rid, s in stats.items() if s.prefix_cache_queries > 0]
-    assert served
+    assert served <= set(stats)
     # every replica that served a prompt follows its KV events into the shared index
     for rid in served:
         wait_confirmed(stack.redis, KEY_PREFIX, rid, above=0)
@@ -211,5 +214,7 @@ def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
 
 
 def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack) -> None:
-    predicted = check_prefix_affinity(stack.handle, stack.redis, KEY_PREFIX, MODEL)
+    predicted = check_prefix_affinity(
+        stack.handle, stack.redis, KEY_PREFIX, MODEL, str(default_model_dir())
+    )
     assert predicted

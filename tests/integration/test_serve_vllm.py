@@ -4,10 +4,12 @@ One local Ray cluster (2 CPUs) runs two replicas of `deploy/engines/vllm.py`: ea
 `AsyncLLM` and vLLM's own OpenAI app in process on the project's tiny model, on the layered
 `.venv-vllm-ray` interpreter (`runtime_env.py_executable`), and follows its engine's KV events
 into a private Redis. The driver's handle routes with `PolicyRequestRouter` (prefix affinity)
-over that index. Prompts sharing a prefix land on the replica that holds it, for the policy's
-reasons (`miss_least_loaded`, then `prefix_hit`, from the `x-cp-decision` header the replica
-returns), and vLLM's own prefix-cache counters (`vllm:prefix_cache_hits`, in the replica's
-routing stats) count at least the predicted hit tokens. Responses are vLLM's: SSE with usage.
+over that index. vLLM's own KV events confirm every full block of a prompt under the hashes the
+router computes for it (the router's tokenization and chat template agree with vLLM's), and
+prompts sharing a prefix land on the replica that holds it, for the policy's reasons
+(`miss_least_loaded`, then `prefix_hit`, from the `x-cp-decision` header the replica returns),
+and vLLM's own prefix-cache counters (`vllm:prefix_cache_hits`, in the replica's routing stats)
+count at least the predicted hit tokens. Responses are vLLM's: SSE with usage, error JSON.
 """
 
 from __future__ import annotations
@@ -110,6 +112,12 @@ def test_replicas_are_vllm_and_report_their_load(stack: Stack) -> None:
 
 def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack) -> None:
     predicted = check_prefix_affinity(
-        stack.handle, stack.redis, KEY_PREFIX, MODEL_NAME, prefixes=2, followups=3
+        stack.handle,
+        stack.redis,
+        KEY_PREFIX,
+        MODEL_NAME,
+        str(default_model_dir()),
+        prefixes=2,
+        followups=3,
     )
     assert predicted

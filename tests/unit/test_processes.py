@@ -133,3 +133,21 @@ def test_spawn_passes_env_cwd_and_redirects(tmp_path: Path) -> None:
     assert child.wait() == 0
     assert log.read_text().split() == [str(tmp_path), "42"]
     assert child.stop(1.0) == 0
+
+
+def test_descendants_are_the_children_and_theirs() -> None:
+    """A child that started a grandchild: both are below it, neither after the group stops."""
+    from deploy.processes import descendants, pid_alive
+
+    grandchild = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {SLEEP!r}])\n"
+    child = spawn([sys.executable, "-c", grandchild + READY + SLEEP], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        below = descendants(child.pid)
+        assert len(below) == 1 and pid_alive(below[0])
+        assert child.pid in descendants(os.getpid())
+        assert below[0] in descendants(os.getpid())
+    finally:
+        child.stop(5.0)
+    assert not pid_alive(child.pid) and not pid_alive(below[0])
+    assert descendants(child.pid) == []
