@@ -19,10 +19,11 @@ Two steps differ, both seams of `RouterRuntime`:
 
 What the fleet is to the standalone router, the request router's view is here: the fair queue's
 room and `/ready` count the engine replicas it sees (`links.view`: their routing stats plus its
-books). The routing books (ledger, policies, speculative index entries) are the request
-router's, kept by Serve's routing hooks in this same process; the scope's hooks are the quota,
-the fair queue, the demand meter (what the ingress reports to the engine deployment's
-autoscaler: autoscaler/hosts/ray_ingress.py) and the telemetry.
+books), and the model group (block size, context length: the 400 beyond it, `/v1/models`) is
+read from it every `GROUPS_TICK_S`. The routing books (ledger, policies, speculative index
+entries) are the request router's, kept by Serve's routing hooks in this same process; the
+scope's hooks are the quota, the fair queue, the demand meter (what the ingress reports to the
+engine deployment's autoscaler: autoscaler/hosts/ray_ingress.py) and the telemetry.
 
 The configuration is the standalone router's (`RouterSettings`) without `replicas` (the engine
 deployment's replicas are the fleet) and with a tokenizer of its own (a model directory or
@@ -32,9 +33,11 @@ deployment's replicas are the fleet) and with a tokenizer of its own (a model di
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
+from controlplane.drift import GroupDrift
 from controlplane.errors import ConfigError
 from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.books import Routed
@@ -42,6 +45,7 @@ from controlplane.types import FleetSnapshot
 from router.config import RouterSettings
 from router.core import Prefetch, RouterCore
 from router.fairness.queue import Ticket
+from router.fleet.groups import ModelGroup, ModelGroups
 from router.http.h1 import Header
 from router.http.proxy import NotAccepted, Upstream
 from router.http.relay import Exchange, _refusal
@@ -57,6 +61,9 @@ log = logging.getLogger("controlplane.router.serve")
 # engine deployment's config reaches the handle) to see an engine replica: until then the fair
 # queue sees none (503, as a standalone router before its replicas are ready)
 VIEW_WAIT_S = 30.0
+
+# how often the engines' model group (members, block size, context) is read from the view
+GROUPS_TICK_S = 0.5
 
 # the replica id `Proxy.send` records failures under before the decision is known (the live
 # fleet of an ingress is empty: nothing is recorded)
@@ -113,6 +120,8 @@ class IngressRuntime(RouterRuntime):
         deadline = loop.time() + VIEW_WAIT_S
         while self.ready_count() == 0 and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        self.refresh_groups()
+        self._groups = asyncio.get_running_loop().create_task(self._track_groups())
         if self.view is None:
             log.warning(
                 "no request router of ours for %s/%s after %.0f s: is the engine deployment's "
@@ -121,6 +130,43 @@ class IngressRuntime(RouterRuntime):
                 self.deployment,
                 VIEW_WAIT_S,
             )
+
+    def refresh_groups(self) -> None:
+        """The engines' model group, as a standalone router's fleet describes its replicas:
+        the members, their block size and context length (`max_model_len`) from their reports
+        (one model per engine deployment). `RouterCore.build` refuses a request beyond the
+        context with the standalone's 400, and `/v1/models` lists the context."""
+        replicas = self.fleet_snapshot().replicas
+        if not replicas:
+            return  # keep the last known group while no replica reports
+        model = self.settings.served_model
+        contexts = {r.replica_id: r.profile.resolved_max_model_len for r in replicas}
+        ref = replicas[0].profile
+        group = ModelGroup(
+            model=model,
+            members=frozenset(contexts),
+            drift=GroupDrift(model, None, {}),
+            block_size=ref.resolved_block_size,
+            max_model_len=ref.resolved_max_model_len,
+            contexts=contexts,
+        )
+        self.fleet.groups = ModelGroups({model: group})
+
+    async def _track_groups(self) -> None:
+        while True:
+            await asyncio.sleep(GROUPS_TICK_S)
+            try:
+                self.refresh_groups()
+            except Exception:  # a malformed report must not end the tracking
+                log.exception("cannot read the engines' model group")
+
+    async def aclose(self) -> None:
+        task = getattr(self, "_groups", None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await super().aclose()
 
     @property
     def view(self) -> EngineView | None:

@@ -54,6 +54,8 @@ APP = "fleet"
 SPEED = 5.0
 KEYS = {"alpha": "sk-test-alpha", "quota": "sk-test-quota"}
 QUOTA_TOKENS = 50
+# the engines' context: a prompt within the router's limits plus max_tokens can exceed it
+CONTEXT = 256
 # the router headers a client sees from both stacks (Serve's proxy adds its own: x-cp-router)
 ROUTER_HEADERS = ("content-type", "x-request-id", "x-ratelimit-limit-tokens")
 
@@ -101,8 +103,8 @@ def stacks() -> Iterator[Stacks]:
     port = free_port()
     with (
         RedisServer() as redis_server,
-        SimReplica(*sim_args(md, speed=SPEED)) as a,
-        SimReplica(*sim_args(md, speed=SPEED)) as b,
+        SimReplica(*sim_args(md, speed=SPEED), "--max-model-len", str(CONTEXT)) as a,
+        SimReplica(*sim_args(md, speed=SPEED), "--max-model-len", str(CONTEXT)) as b,
     ):
         settings = load_settings(replicas=[replica_entry("a", a), replica_entry("b", b)], **values)
         with RouterServer(settings) as alone:
@@ -112,7 +114,11 @@ def stacks() -> Iterator[Stacks]:
                 serve.start(http_options={"host": "127.0.0.1", "port": port})
                 args = {
                     "engine": "sim",
-                    "engine_args": {"speed": SPEED, "redis_url": redis_server.url},
+                    "engine_args": {
+                        "speed": SPEED,
+                        "max_model_len": CONTEXT,
+                        "redis_url": redis_server.url,
+                    },
                     "engine_replicas": 2,
                     "request_router": {"redis_url": redis_server.url},
                     "router": {**values, "telemetry": {"decision_header": True}},
@@ -236,11 +242,28 @@ def test_sdk_streaming_is_the_same(stacks: Stacks, include_usage: bool) -> None:
 
 
 def test_models_are_the_same(stacks: Stacks) -> None:
-    ids = [
-        [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"]]
+    cards = [
+        [
+            {k: v for k, v in m.items() if k != "created"}
+            for m in httpx.get(f"{url}/v1/models", timeout=10.0).json()["data"]
+        ]
         for url in (stacks.serve, stacks.alone)
     ]
-    assert ids[0] == ids[1] == [MODEL]
+    assert cards[0] == cards[1]
+    assert [(c["id"], c["max_model_len"]) for c in cards[0]] == [(MODEL, CONTEXT)]
+
+
+def test_beyond_the_context_gets_the_same_error(stacks: Stacks) -> None:
+    """Within the router's limits, beyond the engines' context: the router's own 400."""
+    body = {"model": MODEL, "prompt": [7] * 199, "max_tokens": 64}
+    headers = {"authorization": f"Bearer {KEYS['alpha']}"}
+    answers = [
+        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30.0)
+        for url in (stacks.serve, stacks.alone)
+    ]
+    assert [r.status_code for r in answers] == [400, 400]
+    assert answers[0].json() == answers[1].json()
+    assert "maximum context length is 256" in answers[0].json()["error"]["message"]
 
 
 def test_serve_path_is_routed_by_our_request_router(stacks: Stacks) -> None:
