@@ -84,6 +84,8 @@ def stack() -> Iterator[Stack]:
             tokenizer=str(md),
             redis_url=server.url,
             key_prefix=KEY_PREFIX,
+            # a loaded test machine must not turn a lookup into "unknown" (routed by load)
+            lookup_budget_ms=2000.0,
         )
         app = sim_engine_app(args, num_replicas=2, request_router=router)
         admin = redis.Redis.from_url(server.url, socket_timeout=5)

@@ -76,6 +76,8 @@ def stack() -> Iterator[Stack]:
             tokenizer=str(md),
             redis_url=server.url,
             key_prefix=KEY_PREFIX,
+            # a loaded test machine must not turn a lookup into "unknown" (routed by load)
+            lookup_budget_ms=2000.0,
         )
         app = vllm_engine_app(args, python=env.python, num_replicas=2, request_router=router)
         admin = redis.Redis.from_url(server.url, socket_timeout=5)
