@@ -120,7 +120,8 @@ def stacks() -> Iterator[Stacks]:
                         "redis_url": redis_server.url,
                     },
                     "engine_replicas": 2,
-                    "request_router": {"redis_url": redis_server.url},
+                    # a loaded machine must not turn a lookup into "unknown" (load-only)
+                    "request_router": {"redis_url": redis_server.url, "lookup_budget_ms": 2000},
                     "router": {**values, "telemetry": {"decision_header": True}},
                 }
                 serve.run(build_fleet(args), name=APP, route_prefix="/")
