@@ -240,6 +240,11 @@ def build_fleet(args: dict[str, Any] | FleetArgs | None) -> serve.Application:
     else:
         if not scaling.min_replicas <= scaling.max_replicas:
             raise ConfigError("autoscaling: min_replicas must not exceed max_replicas")
+        if not settings.demand.enabled:
+            raise ConfigError(
+                "autoscaling needs the ingress's demand meter: demand.enabled is off in the "
+                "router settings (the engines would read zero demand and shrink)"
+            )
         ray_fields: dict[str, Any] = {}
         if scaling.initial_replicas is not None:
             ray_fields["initial_replicas"] = scaling.initial_replicas

@@ -219,3 +219,31 @@ def test_serve_run_serves_a_chat_completion_and_stops_clean(tmp_path: Path) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10.0)
+
+
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        ({"router": {"tokenizer": "remote"}}, "tokenizes prompts itself"),
+        ({"router": {"tokenizer": "approx"}, "engine_replicas": 0}, "engine_replicas"),
+        ({"router": {"tokenizer": "approx"}, "no_such_arg": 1}, "no_such_arg"),
+        (
+            {
+                "router": {"tokenizer": "approx"},
+                "autoscaling": {"min_replicas": 3, "max_replicas": 2},
+            },
+            "min_replicas",
+        ),
+        (
+            {"router": {"tokenizer": "approx", "demand": {"enabled": False}}, "autoscaling": {}},
+            "demand meter",
+        ),
+        ({"router": {"tokenizer": "approx"}, "engine_args": {"speed": -1}}, "engine_args"),
+    ],
+)
+def test_build_fleet_refuses(args: dict[str, Any], error: str) -> None:
+    from controlplane.errors import ConfigError
+    from deploy.ray.fleet import build_fleet
+
+    with pytest.raises(ConfigError, match=error):
+        build_fleet(args)
