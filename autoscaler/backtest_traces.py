@@ -56,6 +56,43 @@ def diurnal(t: float, day_s: float = DAY_S, trough: float = 0.25, shift_s: float
     return trough + (1.0 - trough) * (1.0 - math.cos(phase)) / 2.0
 
 
+def trace_day(
+    source: str,
+    *,
+    day_s: float = DAY_S,
+    rate_scale: float = 1.0,
+    trough: float = 0.25,
+    diurnal_swing: bool = True,
+    seed: int = 0,
+    name: str | None = None,
+) -> Trace:
+    """Any trace `load_trace` reads (a JSONL or CSV file, a short name, a `gen:` spec) over a
+    compressed day: arrivals `rate_scale` x faster, the trace repeated back to back to cover
+    `day_s`, then (with `diurnal_swing`) thinned by `diurnal(t)` with a seeded RNG. Without
+    the swing the trace keeps its own shape (a day-long file: `rate_scale = 86400 / day_s`
+    compresses it into `day_s`)."""
+    if day_s <= 0 or rate_scale <= 0 or not 0 < trough <= 1:
+        raise ConfigError("day_s and rate_scale must be positive, trough in (0, 1]")
+    base = rebase(scale_rate(load_trace(source), rate_scale))
+    if not base.requests:
+        raise ConfigError(f"trace {source!r} has no requests")
+    copies = max(1, math.ceil(day_s / max(base.duration_s, 1e-9)) + 1)
+    day = window(repeat(base, copies), 0.0, day_s)
+    label = name or f"{base.name}-day"
+    kept = list(day.requests)
+    if diurnal_swing:
+        rng = random.Random(f"{seed}:{label}")
+        kept = [r for r in kept if rng.random() < diurnal(r.arrival_s, day_s, trough)]
+    meta = {
+        "source": base.name,
+        "day_s": day_s,
+        "peak_rate_scale": rate_scale,
+        "trough": trough if diurnal_swing else 1.0,
+        "seed": seed,
+    }
+    return replace(day, name=label).with_requests(kept, diurnal=meta)
+
+
 def azure_code_diurnal(
     *,
     day_s: float = DAY_S,
@@ -65,21 +102,14 @@ def azure_code_diurnal(
     source: str = "azure-code",
 ) -> Trace:
     """The Azure code trace over a compressed day (see the module docstring)."""
-    if day_s <= 0 or peak_rate_scale <= 0 or not 0 < trough <= 1:
-        raise ConfigError("day_s and peak_rate_scale must be positive, trough in (0, 1]")
-    base = rebase(scale_rate(load_trace(source), peak_rate_scale))
-    copies = max(1, math.ceil(day_s / max(base.duration_s, 1e-9)) + 1)
-    day = window(repeat(base, copies), 0.0, day_s)
-    rng = random.Random(f"{seed}:azure-code-diurnal")
-    kept = [r for r in day.requests if rng.random() < diurnal(r.arrival_s, day_s, trough)]
-    meta = {
-        "source": base.name,
-        "day_s": day_s,
-        "peak_rate_scale": peak_rate_scale,
-        "trough": trough,
-        "seed": seed,
-    }
-    return replace(day, name="azure-code-diurnal").with_requests(kept, diurnal=meta)
+    return trace_day(
+        source,
+        day_s=day_s,
+        rate_scale=peak_rate_scale,
+        trough=trough,
+        seed=seed,
+        name="azure-code-diurnal",
+    )
 
 
 # (name, peak requests/s, prompt mean, prompt CV, output mean, output CV, priority, peak shift)
@@ -138,9 +168,12 @@ BACKTEST_TRACES: dict[str, Callable[..., Trace]] = {
 
 
 def backtest_trace(name: str, **params: object) -> Trace:
-    """A backtest trace by name (`BACKTEST_TRACES`), or any `load_trace` spec."""
+    """A backtest trace by name (`BACKTEST_TRACES`), or any `load_trace` spec: as it is
+    without `params`, else over a compressed day (`trace_day`'s keywords)."""
     fn = BACKTEST_TRACES.get(name)
-    return fn(**params) if fn is not None else load_trace(name)
+    if fn is not None:
+        return fn(**params)
+    return trace_day(name, **params) if params else load_trace(name)  # type: ignore[arg-type]
 
 
 __all__ = [
@@ -153,4 +186,5 @@ __all__ = [
     "backtest_trace",
     "diurnal",
     "synthetic_diurnal_tenants",
+    "trace_day",
 ]

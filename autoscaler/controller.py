@@ -15,7 +15,10 @@ Every `tick_s`:
    (`autoscaler.hosts.LoadTimes`) and build `ScaleContext`.
 4. `policy.decide(ctx, state, now)` with the injected clock; actuate a changed target; export
    `cp_autoscaler_decisions_total{policy,reason}`, `cp_autoscaler_target_replicas{model}`,
-   `cp_autoscaler_forecast_<figure>{model}` (from `decision.detail`) and log one JSON line.
+   `cp_autoscaler_{ready,loading,min,max}_replicas{model}`,
+   `cp_autoscaler_forecast_<figure>{model}` (from `decision.detail`), log one JSON line and end
+   one INTERNAL span `cp.autoscaler.decide` (tracer `controlplane.autoscaler`) whose attributes
+   carry the reason, target, fleet and figures.
 
 Errors never stop the loop: a failed scrape is NO_DATA, a failed fleet read or actuation is
 logged and counted (`cp_autoscaler_errors_total{stage}`) and the next tick tries again.
@@ -35,14 +38,17 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+from opentelemetry.trace import TracerProvider
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from autoscaler.hosts import FleetObservation, LoadTimes
+from autoscaler.router_urls import RouterUrls
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
 from controlplane.errors import ConfigError
+from controlplane.tracing import tracer_of
 
 log = logging.getLogger("controlplane.autoscaler")
 
@@ -51,6 +57,8 @@ ARRIVALS = "cp_demand_arrivals_total"
 GAUGES = ("cp_backlog_work_seconds", "cp_backlog_requests", "cp_in_flight_requests")
 COUNTERS = ("arrivals", "prefill", "decode")
 POLICIES = {"headroom": "autoscaler.headroom:headroom_policy"}
+TRACER_NAME = "controlplane.autoscaler"
+DECIDE_SPAN = "cp.autoscaler.decide"
 
 
 class AutoscalerSettings(BaseSettings):
@@ -59,7 +67,10 @@ class AutoscalerSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CP_AUTOSCALER_", extra="ignore")
 
     routers: list[str] = Field(
-        default_factory=list, description="Base URLs of the router replicas (their /metrics)."
+        default_factory=list,
+        description="Base URLs of the router replicas (their /metrics and admin API); an entry "
+        "dns+http://name:port is every address the name resolves to, re-resolved each tick "
+        "(a headless Service of a router Deployment).",
     )
     model: str = Field(default="", description="Served model to scale ('' = sum every model).")
     policy: str = Field(
@@ -170,8 +181,14 @@ class DemandAccumulator:
 class RouterScraper:
     """GETs every router's /metrics concurrently; an unreachable router reads as None."""
 
-    def __init__(self, urls: Sequence[str], model: str, client: httpx.AsyncClient) -> None:
-        self.urls = [u.rstrip("/") for u in urls]
+    def __init__(
+        self,
+        urls: Sequence[str] | RouterUrls,
+        model: str,
+        client: httpx.AsyncClient,
+    ) -> None:
+        # `dns+http://name:port` entries: every address of the name, re-resolved each scrape
+        self.routers = urls if isinstance(urls, RouterUrls) else RouterUrls(urls)
         self.model = model
         self.client = client
 
@@ -185,8 +202,9 @@ class RouterScraper:
             return None
 
     async def scrape(self) -> dict[str, RouterReading | None]:
-        results = await asyncio.gather(*(self._one(u) for u in self.urls))
-        return dict(zip(self.urls, results, strict=True))
+        urls = await self.routers.current()
+        results = await asyncio.gather(*(self._one(u) for u in urls))
+        return dict(zip(urls, results, strict=True))
 
 
 # -- actuation ------------------------------------------------------------------------------------
@@ -216,6 +234,12 @@ class ControllerMetrics:
             "cp_autoscaler_decisions", "Decisions.", ["policy", "reason"], registry=r
         )
         self.target = Gauge("cp_autoscaler_target_replicas", "Target.", ["model"], registry=r)
+        self.min_replicas = Gauge(
+            "cp_autoscaler_min_replicas", "Lower bound of the target.", ["model"], registry=r
+        )
+        self.max_replicas = Gauge(
+            "cp_autoscaler_max_replicas", "Upper bound of the target.", ["model"], registry=r
+        )
         self.ready = Gauge("cp_autoscaler_ready_replicas", "Serving.", ["model"], registry=r)
         self.loading = Gauge("cp_autoscaler_loading_replicas", "Loading.", ["model"], registry=r)
         self.load_time = Gauge(
@@ -260,8 +284,11 @@ class Controller:
         *,
         clock: Callable[[], float] = time.monotonic,
         metrics: ControllerMetrics | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
+        """`tracer_provider`: where the decision spans go (default: the global provider)."""
         self.settings = settings
+        self.tracer = tracer_of(TRACER_NAME, tracer_provider)
         self.policy = policy
         self.actuator = actuator
         self.scraper = scraper
@@ -309,21 +336,25 @@ class Controller:
             max_replicas=s.max_replicas,
             tick_s=s.tick_s,
         )
-        if sample.interval_s <= 0:
-            decision = ScaleDecision(fleet.spec, ScaleReason.NO_DATA)
-        else:
-            decision, self.state = self.policy.decide(ctx, self.state, now)
-        self.decision = decision
-        applied = False
-        try:
-            applied = await self.actuator.apply(decision.target, decision, fleet)
-        except Exception as exc:
-            self.metrics.errors.labels("apply").inc()
-            log.error("cannot apply target %d (%s): %s", decision.target, self.actuator.mode, exc)
-        if applied and decision.target != fleet.spec:
-            self.load_times = self.load_times.ordered(now, fleet.spec, decision.target)
-            self.last = FleetObservation(decision.target, fleet.ready)
-        self._export(ctx, decision)
+        with self.tracer.start_as_current_span(DECIDE_SPAN) as span:
+            if sample.interval_s <= 0:
+                decision = ScaleDecision(fleet.spec, ScaleReason.NO_DATA)
+            else:
+                decision, self.state = self.policy.decide(ctx, self.state, now)
+            self.decision = decision
+            applied = False
+            try:
+                applied = await self.actuator.apply(decision.target, decision, fleet)
+            except Exception as exc:
+                self.metrics.errors.labels("apply").inc()
+                log.error(
+                    "cannot apply target %d (%s): %s", decision.target, self.actuator.mode, exc
+                )
+            if applied and decision.target != fleet.spec:
+                self.load_times = self.load_times.ordered(now, fleet.spec, decision.target)
+                self.last = FleetObservation(decision.target, fleet.ready)
+            self._export(ctx, decision)
+            span.set_attributes(self._span_attributes(ctx, decision, fleet, applied))
         result = TickResult(decision, sample, fleet, applied)
         for observe in self.on_tick:
             observe(result)
@@ -333,6 +364,8 @@ class Controller:
         m, lbl = self.metrics, self.label
         m.decisions.labels(self.policy.name, str(decision.reason)).inc()
         m.target.labels(lbl).set(decision.target)
+        m.min_replicas.labels(lbl).set(ctx.min_replicas)
+        m.max_replicas.labels(lbl).set(ctx.max_replicas)
         m.ready.labels(lbl).set(ctx.fleet.ready)
         m.loading.labels(lbl).set(ctx.fleet.loading)
         m.load_time.labels(lbl).set(ctx.load_time_s)
@@ -348,6 +381,28 @@ class Controller:
             "backlog_work_s": round(ctx.sample.backlog_work_s, 4), **decision.figures(),
         }  # fmt: skip
         log.info(json.dumps(line, sort_keys=True))
+
+    def _span_attributes(
+        self, ctx: ScaleContext, decision: ScaleDecision, fleet: FleetObservation, applied: bool
+    ) -> dict[str, str | int | float | bool]:
+        """The decision span's attributes: its reason and the figures behind it."""
+        attributes: dict[str, str | int | float | bool] = {
+            "cp.autoscaler.model": self.label,
+            "cp.autoscaler.policy": self.policy.name,
+            "cp.autoscaler.mode": self.actuator.mode,
+            "cp.autoscaler.reason": str(decision.reason),
+            "cp.autoscaler.target": decision.target,
+            "cp.autoscaler.spec": fleet.spec,
+            "cp.autoscaler.ready": ctx.fleet.ready,
+            "cp.autoscaler.loading": ctx.fleet.loading,
+            "cp.autoscaler.applied": applied,
+            "cp.autoscaler.load_time_s": ctx.load_time_s,
+            "cp.autoscaler.demand_rate": ctx.sample.rate,
+            "cp.autoscaler.backlog_work_s": ctx.sample.backlog_work_s,
+        }
+        for name, value in decision.detail:
+            attributes[f"cp.autoscaler.figure.{name}"] = value
+        return attributes
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick every `tick_s` until `stop` is set; nothing raised by a tick ends the loop."""

@@ -13,7 +13,11 @@ A pure function over a frozen state: `observe(cfg, state, t_s, value)` folds one
    same-sign excursion has lasted `shift_confirm_s` (90 s, longer than the <= 80 s bursts of
    the Azure code trace): then it is a level shift, the level is re-seeded at the mean of the
    excursion's values, the trend reset to 0, and the value is taken as is. A 60 s spike moves
-   the level by at most `alpha * band` per tick; a real step is followed after 90 s.
+   the level by at most `alpha * band` per tick; a real step is followed after 90 s. An
+   excursion whose mean is `surge_ratio` times the forecast or more (or 1 / `surge_ratio` of
+   it or less) is confirmed after `surge_confirm_s` already (off by default). At a confirmed
+   shift the horizon forecasts still pending are dropped: they were made for the old level, and
+   a step is a new level, not a forecast error to carry in sigma.
 3. Holt update with factors scaled to the gap, `a = 1 - (1 - alpha)^(dt / tick_s)` (same for
    beta): `level' = a (x - s(t)) + (1 - a)(level + trend g(dt))`,
    `trend' = b (level' - level) / dt + (1 - b) trend`.
@@ -60,6 +64,10 @@ class ForecastConfig:
     clip_floor_frac: float = 0.05
     clip_floor_abs: float = 0.05
     shift_confirm_s: float = 90.0
+    # a far larger excursion is confirmed sooner: its values' mean at least `surge_ratio` times
+    # the forecast (or at most 1 / surge_ratio of it) for `surge_confirm_s`; inf = never
+    surge_ratio: float = math.inf
+    surge_confirm_s: float = 30.0
     sigma_tau_s: float = 600.0
     # what a horizon forecast is scored against: "value" (the raw sample) or "level" (the
     # smoothed level + season at the due time: the error of forecasting the level, without
@@ -122,6 +130,14 @@ def _season(cfg: ForecastConfig, state: ForecastState, t: float) -> float:
         return 0.0
     b0, b1, w = _bins(cfg, t)
     return state.seasonal[b0] * (1.0 - w) + state.seasonal[b1] * w
+
+
+def _surging(cfg: ForecastConfig, mean: float, base: float) -> bool:
+    """An excursion whose mean is `surge_ratio` times the forecast level or more (or less)."""
+    if math.isinf(cfg.surge_ratio):
+        return False
+    base = max(base, cfg.clip_floor_abs)
+    return mean >= cfg.surge_ratio * base or mean * cfg.surge_ratio <= base
 
 
 def _factor(per_tick: float, dt: float, tick: float) -> float:
@@ -251,10 +267,15 @@ def observe(cfg: ForecastConfig, state: ForecastState, t_s: float, value: float)
             (state.run_sum if same else 0.0) + value - s_t,
             (state.run_n if same else 0) + 1,
         )
-        if run_s >= cfg.shift_confirm_s:
+        if run_s >= cfg.shift_confirm_s or (
+            run_s >= cfg.surge_confirm_s and _surging(cfg, run_sum / run_n, f - s_t)
+        ):
             level0, trend0 = run_sum / run_n, 0.0
             f = level0 + s_t
             run_sign, run_s, run_sum, run_n = 0, 0.0, 0.0, 0
+            # the forecasts still pending were made for the old level: a step is a new level,
+            # not a forecast error to carry in the horizon error for an hour
+            state = replace(state, pending=())
         else:
             x = f + sign * band
     a = _factor(cfg.alpha, dt, cfg.tick_s)

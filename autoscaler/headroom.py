@@ -5,7 +5,10 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
 1. NO_DATA: `interval_s <= 0` or the sample is older than `stale_ticks` ticks: hold (bounds
    still apply) and leave the forecaster untouched.
 2. Feed the forecaster (`autoscaler.forecast`) with the rate `r = prefill + decode work / s`,
-   its horizon set to the lead time `L = load_time_s + tick_s`.
+   its horizon set to the lead time `L = load_time_s + tick_s`. A surge (an excursion at least
+   `max(surge_min_ratio, surge_burst_mult x F_q)` times the level, i.e. beyond any burst the
+   fleet carries) becomes the new level after the forecaster's `surge_confirm_s` (30 s) instead
+   of its 300-s shift confirmation.
 3. Utilization target `rho* = capacity.utilization_target(E[prefill], C2)` (the last seen
    prefill moments when the interval had no arrivals; defaults before any).
 4. Need, rate, bursts and backlog kept apart (anchors §4):
@@ -109,6 +112,8 @@ class HeadroomConfig:
     # over the forecast level, remembered over `burst_memory_s`; the fleet keeps that multiple
     # of the level at `burst_utilization`
     burst_quantile: float = 0.999
+    surge_min_ratio: float = 3.0
+    surge_burst_mult: float = 1.5
     burst_memory_s: float = 3600.0
     # the level the fleet follows is slow (time constant ~330 s, shifts confirmed after 300 s):
     # swings shorter than the lead time cannot be followed, so they belong to the burst
@@ -192,7 +197,15 @@ class HeadroomPolicy:
             detail = (*base, ("sample_age_s", now - s.t_s))
             return self._finish(ctx, state, now, current, ScaleReason.NO_DATA, detail, state)
 
-        fcfg = replace(cfg.forecast, horizon_s=lead)
+        # an excursion far beyond the bursts the fleet already carries (surge_burst_mult x the
+        # burst factor, at least surge_min_ratio x the level) is a new level once it has lasted
+        # surge_confirm_s, not a burst to wait out for shift_confirm_s
+        prev_burst = burst_quantile(state.burst_w, cfg.burst_quantile)
+        fcfg = replace(
+            cfg.forecast,
+            horizon_s=lead,
+            surge_ratio=max(cfg.surge_min_ratio, cfg.surge_burst_mult * prev_burst),
+        )
         share = state.prefill_ew / state.work_ew if state.work_ew > 0 else -1.0
         prefill_rate = s.prefill_work_s / s.interval_s
         # the prefill share of the work: a ratio of EW means (memory burst_memory_s / 6)

@@ -10,8 +10,11 @@ and writes out/bench/autoscale.json (the backtest's JSON) and out/bench/autoscal
 
 By default it replays the 2-h days of `controlplane autoscale backtest` (the headline figures
 quoted in docs/autoscaling.md), one trace per process (about 15-20 min on two cores);
-`--quick` compresses each day to 1 h; `--seed`, `--trace` and `--policies` replay other draws
-of the traces, one trace, or some policies only.
+`--quick` compresses each day to 1 h; `--trace` and `--policies` replay one trace or some
+policies only. `--seeds 0,1,2` (the default) replays each draw of the traces: the top level of
+the JSON is the first seed's backtest (its shape unchanged) and `"seeds": {SEED: {TRACE:
+{"policies": {...}}}}` holds every seed's figures (`autoscale_oracle.py` adds each seed's
+`rate_only_gpu_hours` there, `autoscale_hpa.py` the load-step figures under `"step"`).
 """
 
 from __future__ import annotations
@@ -79,7 +82,9 @@ def _one(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="1-h days (default: 2 h)")
-    parser.add_argument("--seed", type=int, default=0, help="the traces' seed (default 0)")
+    parser.add_argument(
+        "--seeds", default="0,1,2", help="the traces' seeds, comma-separated (default 0,1,2)"
+    )
     parser.add_argument(
         "--trace", action="append", help="backtest trace (repeatable; default both)"
     )
@@ -89,15 +94,28 @@ def main() -> None:
     args = parser.parse_args()
     traces = args.trace or list(DEFAULT_TRACES)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
+    seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
     config = BacktestConfig(autoscale=AutoscaleConfig(load_time_s=240.0, max_replicas=64))
-    result = BacktestResult(config)
+    results = {seed: BacktestResult(config) for seed in seeds}
     with ProcessPoolExecutor(max_workers=2) as pool:
-        futures = [pool.submit(_one, t, config, args.quick, args.seed, policies) for t in traces]
-        for fut in futures:
+        futures = [
+            (seed, pool.submit(_one, t, config, args.quick, seed, policies))
+            for seed in seeds
+            for t in traces
+        ]
+        for seed, fut in futures:
             part = fut.result()
-            result.traces.update(part.traces)
-            result.wall_s = max(result.wall_s, part.wall_s)
-    print_backtest(result, console)
+            results[seed].traces.update(part.traces)
+            results[seed].wall_s = max(results[seed].wall_s, part.wall_s)
+    for seed, res in results.items():
+        console.rule(f"seed {seed}")
+        print_backtest(res, console)
+        for name, c in goal(res).items():
+            console.print(
+                f"seed {seed} {name}: headroom {c['attainment']:.2%}, "
+                f"{c['gpu_hours_vs_static']:.0%} of static peak's GPU-hours"
+            )
+    result = results[seeds[0]]
     checks = goal(result)
     for name, c in checks.items():
         console.print(
@@ -110,7 +128,20 @@ def main() -> None:
         )
     plot_backtest(result, out_dir() / "autoscale.png")
     payload = result.to_json(timeline=False)
-    doc = {**payload, "goal": checks, "full": not args.quick, "seed": args.seed}
+    per_seed = {
+        str(seed): {
+            name: {"policies": tb.to_json(timeline=False)["policies"]}
+            for name, tb in res.traces.items()
+        }
+        for seed, res in results.items()
+    }
+    doc = {
+        **payload,
+        "goal": checks,
+        "full": not args.quick,
+        "seed": seeds[0],
+        "seeds": per_seed,
+    }
     write_json("autoscale.json", doc)
 
 

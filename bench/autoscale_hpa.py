@@ -9,7 +9,11 @@ cycle, target 80%) and `headroom` (demand measured at the router).
 
 Per 60-s window it prints the demand (replicas of work at the SLO), the duty cycle the HPA sees,
 each policy's ordered and ready replicas and the TTFT p99 of the window's arrivals; writes
-out/bench/autoscale_hpa.json and out/bench/autoscale_hpa.png.
+out/bench/autoscale_hpa.json and out/bench/autoscale_hpa.png, and merges per policy
+`{"peak_ordered", "peak_demand_replicas", "recovery_s"}` into out/bench/autoscale.json as
+`"step"`: the peak of the windows' demand (replicas of work), and the time from the step to the
+end of the first window from which every window of the high phase has a TTFT p99 within the SLO
+(None: never).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from common import console, out_dir, print_table, save_figure, write_json
+from common import console, merge_json, out_dir, print_table, save_figure, write_json
 
 from autoscaler.baselines import HpaGpuUtilPolicy
 from autoscaler.capacity import SloCapacity
@@ -70,6 +74,18 @@ def _window(run: AutoscaleRun, end_s: float) -> dict[str, float]:
     }
 
 
+def recovery_s(ends: Any, windows: list[dict[str, float]], slo_s: float = 2.0) -> float | None:
+    """Seconds from the step to the end of the first window after which every window that ends
+    within the high phase keeps its TTFT p99 within the SLO."""
+    high = [
+        (float(e), w) for e, w in zip(ends, windows, strict=True) if STEP_S < e <= STEP_S + HIGH_S
+    ]
+    for i, (end, _) in enumerate(high):
+        if all(w["ttft_p99_s"] <= slo_s for _, w in high[i:]):
+            return end - STEP_S
+    return None
+
+
 def main() -> None:
     cap = SloCapacity.build(PROFILE, 2.0, 0.1)
     trace = step_trace()
@@ -106,22 +122,37 @@ def main() -> None:
         ],
         rows,
     )
-    summary = {
+    peak_demand = max(w["rate"] for w in series["headroom"])
+    summary: dict[str, dict[str, Any]] = {
         name: {
             "slo_attainment": r.slo_attainment(),
             "gpu_hours": r.gpu_hours(),
             "peak_ordered": max(p.ordered for p in r.timeline),
+            "peak_demand_replicas": peak_demand,
+            "recovery_s": recovery_s(ends, series[name]),
         }
         for name, r in runs.items()
     }
     for name, s in summary.items():
+        rec = s["recovery_s"]
         console.print(
             f"{name}: TTFT <= 2 s for {s['slo_attainment']:.1%} of requests, "
-            f"peak ordered {s['peak_ordered']}, {s['gpu_hours']:.1f} GPU-hours"
+            f"peak ordered {s['peak_ordered']} ({s['peak_ordered'] / peak_demand:.1f}x the "
+            f"peak demand of {peak_demand:.1f}), {s['gpu_hours']:.1f} GPU-hours, TTFT p99 "
+            f"back within the SLO {'never' if rec is None else f'{rec:.0f} s after the step'}"
         )
     write_json(
         "autoscale_hpa.json",
         {"windows_end_s": [float(e) for e in ends], "series": series, "summary": summary},
+    )
+    merge_json(
+        "autoscale.json",
+        {
+            "step": {
+                name: {k: s[k] for k in ("peak_ordered", "peak_demand_replicas", "recovery_s")}
+                for name, s in summary.items()
+            }
+        },
     )
     _plot(ends, series)
 

@@ -11,6 +11,10 @@ time) but not its luck (`autoscaler.oracle.rate_only`), and writes
 out/bench/autoscale_oracle.json and out/bench/autoscale_oracle.png (frontier and policies).
 
 Takes about 15 min on two cores (one process per trace; segment lengths in SEGMENT_S).
+`--rate-only-seeds 1,2` (the default) then solves the rate-only planner's none-late schedule
+for other draws of the traces whose segments allow it (shorter than a load time) and, like the
+first seed's, merges each into out/bench/autoscale.json as
+`seeds.SEED.TRACE.rate_only_gpu_hours`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from common import console, out_dir, print_table, save_figure, write_json
+from common import console, merge_json, out_dir, print_table, save_figure, write_json
 
 from autoscaler.backtest import DEFAULT_TRACES, BacktestConfig
 from autoscaler.backtest_traces import backtest_trace
@@ -81,6 +85,11 @@ def main() -> None:
     )
     ap.add_argument("--warmup", type=float, default=120.0, help="replayed before each segment")
     ap.add_argument("--seed", type=int, default=0, help="the traces' seed (default 0)")
+    ap.add_argument(
+        "--rate-only-seeds",
+        default="1,2",
+        help="other seeds whose rate-only none-late GPU-hours to solve (comma-separated; '' none)",
+    )
     ap.add_argument("--backtest", type=Path, default=out_dir() / "autoscale.json")
     ap.add_argument(
         "--from-json", type=Path, help="re-report an earlier run's JSON instead of replaying"
@@ -161,6 +170,47 @@ def main() -> None:
         doc["traces"][name] = entry  # type: ignore[index]
     write_json("autoscale_oracle.json", doc)
     plot(results, policies, rated_points, out_dir() / "autoscale_oracle.png")
+    rated = {args.seed: {t: p.gpu_hours for t, p in rated_points.items()}}
+    more = [int(x) for x in args.rate_only_seeds.split(",") if x.strip()]
+    rated.update(rate_only_seeds(traces, more, args.warmup))
+    merge_json(
+        "autoscale.json",
+        {
+            "seeds": {
+                str(seed): {t: {"rate_only_gpu_hours": g} for t, g in per.items()}
+                for seed, per in rated.items()
+            }
+        },
+    )
+
+
+def _rate_only_one(trace: str, seed: int, warmup_s: float) -> float | None:
+    """The rate-only planner's none-late GPU-hours on one draw of a trace (None: its segments
+    are not shorter than a load time, so the rate holds the bursts)."""
+    segment = SEGMENT_S.get(trace, 60.0)
+    res = run_trace(trace, segment, warmup_s, seed)
+    if res.segment_s >= res.load_time_s:
+        return None
+    window = round(res.load_time_s / res.segment_s / 2)
+    return rate_only(res.curves, window, res.segment_s, res.load_time_s, res.tp).gpu_hours
+
+
+def rate_only_seeds(
+    traces: list[str], seeds: list[int], warmup_s: float
+) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    load_s = BacktestConfig().autoscale.load_time_s
+    jobs = [(t, s) for s in seeds for t in traces if SEGMENT_S.get(t, 60.0) < load_s]
+    if not jobs:
+        return out
+    with ProcessPoolExecutor(max_workers=min(2, len(jobs))) as pool:
+        futures = {(t, s): pool.submit(_rate_only_one, t, s, warmup_s) for t, s in jobs}
+        for (t, s), fut in futures.items():
+            g = fut.result()
+            if g is not None:
+                out.setdefault(s, {})[t] = g
+                console.print(f"seed {s} {t}: rate-only none-late {g:.1f} GPU-hours")
+    return out
 
 
 def plot(

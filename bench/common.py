@@ -42,6 +42,30 @@ def write_json(name: str, payload: dict[str, object]) -> Path:
     return path
 
 
+def _deep_merge(base: dict[str, object], extra: dict[str, object]) -> dict[str, object]:
+    out = dict(base)
+    for key, value in extra.items():
+        old = out.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            out[key] = _deep_merge(old, value)
+        else:
+            out[key] = value
+    return out
+
+
+def merge_json(name: str, extra: dict[str, object]) -> Path | None:
+    """Merge `extra` into another bench's JSON under out_dir() (dicts merged key by key);
+    nothing when that file does not exist (the other bench has not run)."""
+    path = out_dir() / name
+    if not path.exists():
+        console.print(f"[dim]{path} not found: not merged[/dim]")
+        return None
+    doc = json.loads(path.read_text())
+    path.write_text(json.dumps(_deep_merge(doc, extra), indent=2))
+    console.print(f"merged into {path}")
+    return path
+
+
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     table = Table(title=title)
     for col in columns:

@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -96,6 +97,9 @@ class FleetSpec:
     extra_args: tuple[str, ...] = ()
     extra_env: tuple[tuple[str, str], ...] = ()
     startup_timeout_s: float = 300.0
+    # a replica whose process exits before its first /health 200 is started again this many
+    # times (its log keeps every attempt); 0 = fail at once
+    startup_retries: int = 1
     stop_grace_s: float = 15.0
 
     def validate(self) -> None:
@@ -109,6 +113,8 @@ class FleetSpec:
             )
         if self.kv_cache_gib < 1:
             raise ConfigError("kv_cache_gib must be a whole number of GiB >= 1")
+        if self.startup_retries < 0:
+            raise ConfigError("startup_retries must be >= 0")
         if self.base_port < 0 or self.base_port + self.replicas > 65535:
             raise ConfigError(f"bad base port {self.base_port}")
 
@@ -301,6 +307,23 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
+_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|Error:|Exception:|Killed|out of memory", re.I)
+
+
+def _error_lines(path: Path, limit: int = 25, max_bytes: int = 4 << 20) -> str:
+    """The log's error lines from anywhere in it (vLLM prints an engine's root cause far above
+    the last lines, which only say "See root cause above")."""
+    try:
+        with path.open("rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - max_bytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    hits = [line for line in text.splitlines() if _ERROR_LINE.search(line)]
+    return "\n".join(hits[:limit])
+
+
 @dataclass
 class Replica:
     launch: ReplicaLaunch
@@ -311,6 +334,7 @@ class Replica:
     started_at: float = 0.0
     healthy_at: float | None = None
     stopping: bool = False
+    startup_failures: int = 0
 
     @property
     def name(self) -> str:
@@ -332,7 +356,11 @@ class Replica:
         return None if self.child is None else self.child.poll()
 
     def log_tail(self, lines: int = 30) -> str:
-        return _tail(self.log_path, lines)
+        tail = _tail(self.log_path, lines)
+        errors = _error_lines(self.log_path)
+        if not errors:
+            return tail
+        return f"{tail}\n--- error lines (whole log) ---\n{errors}"
 
     def describe(self) -> dict[str, object]:
         r = self.launch
@@ -459,6 +487,23 @@ class LocalFleet:
             if rc is not None and not rep.stopping:
                 raise ReplicaFailedError(rep.name, f"exited with code {rc}", rep.log_tail())
 
+    def _retry_failed_starts(self) -> None:
+        """Start again, within `startup_retries`, a replica that exited before it was healthy."""
+        for rep in self.replicas:
+            rc = rep.exited()
+            if rc is None or rep.stopping or rep.healthy_at is not None:
+                continue
+            if rep.startup_failures >= self.spec.startup_retries:
+                continue
+            rep.startup_failures += 1
+            if rep.child is not None:  # what the dead leader left in its group goes first
+                rep.child.stop(self.spec.stop_grace_s, self._on_kill(rep))
+            self._log(
+                f"{rep.name}: exited with code {rc} while starting; starting it again "
+                f"({rep.startup_failures}/{self.spec.startup_retries})\n{_error_lines(rep.log_path)}"
+            )
+            self._spawn(rep, mode="ab")
+
     def _poll_health(self, client: httpx.Client) -> None:
         for rep in self.replicas:
             if rep.healthy_at is not None:
@@ -475,6 +520,7 @@ class LocalFleet:
         next_progress = time.monotonic() + progress_every_s
         with httpx.Client(timeout=2.0) as client:
             while True:
+                self._retry_failed_starts()
                 self.check()
                 self._poll_health(client)
                 if all(r.healthy_at is not None for r in self.replicas):
@@ -543,6 +589,7 @@ class LocalFleet:
         try:
             async with httpx.AsyncClient(timeout=2.0) as client:
                 while True:
+                    self._retry_failed_starts()
                     self.check()
                     for rep in self.replicas:
                         if rep.healthy_at is None:

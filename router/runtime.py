@@ -41,16 +41,18 @@ from controlplane.kvevents.service import EventIndexer
 from controlplane.replica_info import ReplicaInfo
 from controlplane.roofline.profile import EngineProfile
 from controlplane.routing.books import Routed, RoutingBooks
+from controlplane.store.breaker import CircuitBreaker
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import QuotaStore
+from controlplane.tenancy.quota_redis import RedisQuotaStore
 from controlplane.types import FleetSnapshot
 from router.config import ReplicaConfig, RouterSettings
 from router.core import Prefetch, RouterCore
 from router.fairness.queue import FairQueue, Ticket
-from router.fairness.shared import fair_queue_for
+from router.fairness.shared import SharedFairQueue, fair_queue_for
 from router.fairness.tenants import QuotaHooks, key_ring, quota_store_for, salt_policy
 from router.fleet.follower import RegistryFollower
-from router.fleet.index import RouterIndex, open_index
+from router.fleet.index import RedisRouterIndex, RouterIndex, open_index
 from router.fleet.lifecycle import ADMIN_SOURCE, Seen
 from router.fleet.live_fleet import LiveFleet
 from router.fleet.registry import RegistryMetrics, Snapshot
@@ -339,9 +341,23 @@ class RouterRuntime:
         sources = {r.replica_id: str(r.profile_source) for r in self.fleet.replicas()}
         m.sync_descriptions(self.fleet.groups.drift_of(), described, sources)
         m.inflight.set(len(self.ledger))
+        m.routable.set(self.ready_count())
+        m.sync_quotas(self.tenancy.tenants())
         for follower in self.events.values():
-            for row in follower.status():
-                m.sync_kv_events(row.replica_id, row.batches, row.lost)
+            m.kv_events.sync(follower.status())
+        for store, breaker in self.breakers().items():
+            m.breakers.sync(store, breaker)
+
+    def breakers(self) -> dict[str, CircuitBreaker]:
+        """The circuit breakers of this router's Redis-backed stores, by store name."""
+        out: dict[str, CircuitBreaker] = {}
+        if isinstance(self.index, RedisRouterIndex):
+            out["prefix_index"] = self.index.redis.breaker
+        if isinstance(self.quotas, RedisQuotaStore):
+            out["quota"] = self.quotas.breaker
+        if isinstance(self.fairq, SharedFairQueue):
+            out["fair_queue"] = self.fairq.store.breaker
+        return out
 
     async def aclose(self) -> None:
         for s in self.sources:

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import Field
+from pydantic import Field, field_validator
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -54,6 +54,7 @@ from autoscaler.hosts.router_drainer import DrainerSettings, RouterDrainer
 from autoscaler.types import ScaleDecision, ScalingPolicy
 from autoscaler.victims import Drainer, NoDrainer
 from controlplane.errors import ConfigError, KubernetesApiError
+from controlplane.tracing import Exporter, setup_tracing, traces_url
 
 log = logging.getLogger("controlplane.autoscaler.kubernetes")
 
@@ -63,6 +64,26 @@ class HostSettings(AutoscalerSettings, ScalerSettings, DrainerSettings):
 
     listen_host: str = Field(default="0.0.0.0", description="Interface of /metrics and /keda.")
     listen_port: int = Field(default=9464, ge=0, description="Port of /metrics and /keda.")
+    otel_exporter: Exporter = Field(
+        default="none",
+        description="Where the decision spans (cp.autoscaler.decide) go: none (off), console "
+        "(stdout) or otlp (OTLP/HTTP to otlp_endpoint; OTEL_EXPORTER_OTLP_* for the rest).",
+    )
+    otlp_endpoint: str | None = Field(
+        default=None,
+        description="The collector's OTLP/HTTP traces URL for otel_exporter=otlp (a URL without "
+        "a path gets /v1/traces); None: the OTEL_EXPORTER_OTLP_* variables decide.",
+    )
+    service_name: str = Field(
+        default="controlplane-autoscaler",
+        min_length=1,
+        description="The spans' service.name resource attribute.",
+    )
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        return traces_url(v) if v else None  # "" (an unset chart value): the OTEL_* variables
 
 
 class ObserveOnly:
@@ -159,6 +180,9 @@ async def serve(settings: HostSettings) -> None:
     """Run the loop and the /metrics + /keda endpoint until interrupted."""
     import uvicorn
 
+    provider = setup_tracing(
+        settings.otel_exporter, settings.service_name, otlp_endpoint=settings.otlp_endpoint
+    )
     controller, actuator, scrape_client = build(settings)
     stop = asyncio.Event()
     config = uvicorn.Config(
@@ -176,6 +200,8 @@ async def serve(settings: HostSettings) -> None:
         await loop_task
         await actuator.aclose()
         await scrape_client.aclose()
+        if provider is not None:  # the last decisions' spans leave before the process does
+            provider.shutdown()
 
 
 __all__ = [

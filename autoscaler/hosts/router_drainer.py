@@ -36,6 +36,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, Field
 
+from autoscaler.router_urls import RouterUrls
 from autoscaler.victims import VictimInfo
 from controlplane.errors import ConfigError, RouterAdminError
 
@@ -75,7 +76,7 @@ class RouterDrainer:
 
     def __init__(
         self,
-        routers: Sequence[str],
+        routers: Sequence[str] | RouterUrls,
         admin_key: str,
         *,
         poll_s: float = 0.5,
@@ -84,11 +85,12 @@ class RouterDrainer:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        if not routers:
+        if not (routers.entries if isinstance(routers, RouterUrls) else routers):
             raise ConfigError("the router drainer needs at least one router URL")
         if not admin_key:
             raise ConfigError("the router drainer needs the routers' admin key")
-        self.routers = [r.rstrip("/") for r in routers]
+        # `dns+http://name:port` entries: every address of the name, re-resolved on each call
+        self.routers = routers if isinstance(routers, RouterUrls) else RouterUrls(routers)
         self._headers = {"authorization": f"Bearer {admin_key}"}
         self.poll_s = poll_s
         self.timeout_s = timeout_s
@@ -120,7 +122,7 @@ class RouterDrainer:
         Raises `RouterAdminError` when no router gave the registry's view."""
         got: list[dict[str, Any]] = []
         failures: list[str] = []
-        for router in self.routers:
+        for router in await self.routers.current():
             try:
                 body = await self._listing(router)
             except _Failed as exc:
@@ -173,7 +175,7 @@ class RouterDrainer:
 
     async def _drain_one(self, rid: str) -> None:
         failures: list[str] = []
-        for router in self.routers:
+        for router in await self.routers.current():
             url = f"{router}/admin/replicas/{quote(rid, safe='')}/drain"
             try:
                 r = await self.client.post(url, headers=self._headers, timeout=self.timeout_s)

@@ -225,7 +225,7 @@ class _Host:
         current = len(ready) + len(loading)
         for _ in range(target - current):
             sim.join(now, cfg.load_time_s)
-        excess = current - target
+        excess = max(0, current - target)  # a negative slice bound would cancel loading ones
         for r in sorted(loading, key=lambda r: r.joined_s, reverse=True)[:excess]:
             sim.leave(r.rid, now)
         excess -= min(excess, len(loading))

@@ -20,7 +20,7 @@ from autoscaler.backtest import (
     BacktestResult,
     backtest,
 )
-from autoscaler.backtest_traces import BACKTEST_GPU, BACKTEST_MODEL, BACKTEST_TP
+from autoscaler.backtest_traces import BACKTEST_GPU, BACKTEST_MODEL, BACKTEST_TP, BACKTEST_TRACES
 from autoscaler.hosts.sim import AutoscaleConfig
 from controlplane.cli.autoscale import autoscale_app
 from controlplane.errors import ConfigError
@@ -76,6 +76,32 @@ def print_backtest(result: BacktestResult, console: Console = out) -> None:
     console.print(f"backtest wall time {result.wall_s:.0f} s")
 
 
+def _trace_params(
+    traces: list[str],
+    *,
+    seed: int,
+    day_s: float,
+    rate_scale: float,
+    trough: float,
+    flat: bool,
+    as_is: bool,
+) -> dict[str, dict[str, object]]:
+    """Per trace: the built-in builders take the seed; any other spec becomes a day."""
+    params: dict[str, dict[str, object]] = {}
+    for name in traces:
+        if name in BACKTEST_TRACES:
+            params[name] = {"seed": seed}
+        elif not as_is:
+            params[name] = {
+                "seed": seed,
+                "day_s": day_s,
+                "rate_scale": rate_scale,
+                "trough": trough,
+                "diurnal_swing": not flat,
+            }
+    return params
+
+
 @autoscale_app.command("backtest")
 def backtest_cmd(
     trace: Annotated[
@@ -93,14 +119,44 @@ def backtest_cmd(
     gpu: Annotated[str, typer.Option()] = BACKTEST_GPU,
     model: Annotated[str, typer.Option()] = BACKTEST_MODEL,
     tp: Annotated[int, typer.Option(min=1)] = BACKTEST_TP,
+    seed: Annotated[int, typer.Option(help="Seed of the traces' draws (thinning, arrivals).")] = 0,
+    day: Annotated[
+        str, typer.Option(help="A trace file is repeated and swung over a day this long.")
+    ] = "2h",
+    rate_scale: Annotated[
+        float, typer.Option(min=1e-9, help="A trace file's arrivals this many times faster.")
+    ] = 1.0,
+    trough: Annotated[
+        float, typer.Option(min=1e-9, max=1.0, help="Night-time share of a file's peak rate.")
+    ] = 0.25,
+    flat: Annotated[
+        bool, typer.Option(help="Keep a file's own shape (no day swing; repeat and scale only).")
+    ] = False,
+    as_is: Annotated[
+        bool, typer.Option(help="Replay a trace file exactly as it is (no day, no scaling).")
+    ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the JSON here.")] = None,
     plot: Annotated[Path | None, typer.Option(help="Write the timeline PNG here.")] = None,
 ) -> None:
-    """Replay each trace once per autoscaling policy on a simulated fleet and compare them."""
+    """Replay each trace once per autoscaling policy on a simulated fleet and compare them.
+
+    A trace is a built-in name or anything the replay reads (a JSONL or CSV file with arrival
+    times and lengths, optionally tenants; `gen:` specs). A file is turned into a day as the
+    built-in traces are: arrivals --rate-scale x faster, repeated to cover --day, thinned by the
+    day's swing (seeded by --seed) unless --flat; --as-is replays it untouched."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     traces = [t.strip() for t in trace.split(",") if t.strip()]
     if not names or not traces:
         raise ConfigError("--policies and --trace must not be empty")
+    trace_params = _trace_params(
+        traces,
+        seed=seed,
+        day_s=parse_duration(day),
+        rate_scale=rate_scale,
+        trough=trough,
+        flat=flat,
+        as_is=as_is,
+    )
     auto = AutoscaleConfig(
         load_time_s=parse_duration(load_time),
         tick_s=parse_duration(tick),
@@ -126,7 +182,14 @@ def backtest_cmd(
         def advance(done: int) -> None:
             bar.update(current[0], completed=done)  # type: ignore[arg-type]
 
-        result = backtest(traces, names, config, on_policy_start=start, progress=advance)
+        result = backtest(
+            traces,
+            names,
+            config,
+            trace_params=trace_params,
+            on_policy_start=start,
+            progress=advance,
+        )
     if json_path is not None:  # first: a long run's figures must not hang on the printing
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result.to_json(), indent=2))

@@ -7,7 +7,9 @@
 One subscriber per replica (replay on connect and on gaps, restart detection), block hashes mapped
 to the project's keyed hashes, written to `RedisPrefixIndex`. A live status table on a terminal
 (a summary line per interval otherwise); Ctrl-C or SIGTERM closes every socket, flushes the
-index's write queue (bounded) and prints the final counters.
+index's write queue (bounded) and prints the final counters. `--metrics-port` serves the same
+figures to Prometheus (controlplane/kvevents/exporter.py); `--otel-exporter` sends one span per
+KV-event batch.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -34,8 +37,10 @@ from controlplane.kvevents.config import (
     load_replica_file,
     parse_replica_spec,
 )
+from controlplane.kvevents.exporter import IndexerMetrics
 from controlplane.kvevents.service import EventIndexer, ReplicaStatus
 from controlplane.prefix.protocol import AsyncPrefixIndex, PrefixIndex
+from controlplane.tracing import setup_tracing
 
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
 
@@ -86,8 +91,10 @@ async def run_indexer(
     duration_s: float,
     status_interval_s: float,
     console: Console,
+    on_status: Callable[[list[ReplicaStatus]], None] | None = None,
 ) -> None:
-    """Run until a signal (or `duration_s` > 0 elapses), showing status; always closes."""
+    """Run until a signal (or `duration_s` > 0 elapses), showing status (and handing every
+    status to `on_status`: the metrics exporter); always closes."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     installed: list[signal.Signals] = []
@@ -106,6 +113,8 @@ async def run_indexer(
         with live or contextlib.nullcontext():
             while not stop.is_set():
                 rows = indexer.status()
+                if on_status is not None:
+                    on_status(rows)
                 if live is not None:
                     live.update(status_table(rows, time.monotonic() - started))
                 else:
@@ -167,11 +176,44 @@ def indexer_cmd(
         float, typer.Option(help="Stop after this many seconds (0: run until Ctrl-C).")
     ] = 0.0,
     status_interval: Annotated[
-        float, typer.Option(min=0.05, help="Seconds between status updates.")
+        float, typer.Option(min=0.05, help="Seconds between status (and metrics) updates.")
     ] = 1.0,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar="CP_INDEXER_METRICS_PORT",
+            min=0,
+            max=65535,
+            help="Serve Prometheus /metrics (cp_kv_events_*, cp_redis_breaker_*) on this port.",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str, typer.Option(envvar="CP_INDEXER_METRICS_HOST", help="Interface of /metrics.")
+    ] = "0.0.0.0",
+    otel_exporter: Annotated[
+        str,
+        typer.Option(
+            envvar="CP_TELEMETRY__OTEL_EXPORTER",
+            help="Where the per-batch spans go: none, console or otlp (the router's setting).",
+        ),
+    ] = "none",
+    otlp_endpoint: Annotated[
+        str | None,
+        typer.Option(
+            envvar="CP_TELEMETRY__OTLP_ENDPOINT",
+            help="OTLP/HTTP traces URL for --otel-exporter otlp (else OTEL_EXPORTER_OTLP_*).",
+        ),
+    ] = None,
 ) -> None:
     """Follow replicas' KV events (ZMQ) into the shared prefix index."""
     sources = collect_sources(replica, config)
+    if otel_exporter not in ("none", "console", "otlp"):
+        raise ConfigError(f"unknown --otel-exporter {otel_exporter!r}: none, console or otlp")
+    provider = setup_tracing(
+        otel_exporter,  # type: ignore[arg-type]  # checked above
+        "controlplane-indexer",
+        otlp_endpoint=otlp_endpoint,
+    )
     secret = os.environ.get(hash_secret_env, "").encode()
     index: PrefixIndex | AsyncPrefixIndex
     if memory:
@@ -191,6 +233,11 @@ def indexer_cmd(
     target = "a process-local index" if memory else f"{getattr(index, 'url', redis_url)}"
     err.print(f"following {len(sources)} replica(s) into {target}; Ctrl-C stops")
 
+    exporter = IndexerMetrics(index) if metrics_port is not None else None
+    if exporter is not None and metrics_port is not None:
+        port = exporter.serve(metrics_host, metrics_port)
+        err.print(f"/metrics on {metrics_host}:{port}")
+
     async def main() -> None:
         indexer = EventIndexer(
             sources,
@@ -202,12 +249,22 @@ def indexer_cmd(
         )
         try:
             await run_indexer(
-                indexer, duration_s=duration, status_interval_s=status_interval, console=err
+                indexer,
+                duration_s=duration,
+                status_interval_s=status_interval,
+                console=err,
+                on_status=exporter.update if exporter is not None else None,
             )
         finally:
             aclose = getattr(index, "aclose", None)
             if aclose is not None:
                 await aclose(flush_timeout_s=2.0)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if exporter is not None:
+            exporter.close()
+        if provider is not None:
+            provider.shutdown()
     sys.stderr.flush()

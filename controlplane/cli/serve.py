@@ -37,7 +37,8 @@ def _serve_router(settings: object, sock: socket.socket | None = None) -> None:
 
     assert isinstance(settings, RouterSettings)
     configure_logging(settings.telemetry.json_logs, settings.telemetry.log_level)
-    setup_tracing(settings.telemetry.otel_exporter)
+    t = settings.telemetry
+    setup_tracing(t.otel_exporter, t.service_name, otlp_endpoint=t.otlp_endpoint)
     # uvicorn with the router's connection limits (router/http/protocol.py)
     RouterHttpServer(settings, sock=sock).run()
 

@@ -3,7 +3,9 @@
 One `ReplicaSubscriber` (ZMQ, seq tracking, replay) and one `EventIngestor` (engine → project
 hashes) per `ReplicaSource`, sharing one ZMQ context and one index. The caller owns the index
 (and closes it after `close()`). `status()` gives one row per replica for a status display or a
-metrics exporter.
+metrics exporter (controlplane/kvevents/metrics.py). Every batch handed to the index is one
+INTERNAL span `cp.kvevents.batch` (replica, seq, event count, replayed) of the tracer
+`controlplane.kvevents`.
 
 Incarnations: a source without one starts at `initial_incarnation()` (default: wall-clock
 milliseconds, so a restarted indexer never writes under an older incarnation than the one it
@@ -17,15 +19,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import zmq.asyncio
+from opentelemetry.trace import TracerProvider
 
 from controlplane.kvevents.config import ReplicaSource
 from controlplane.kvevents.ingest import DEFAULT_MAX_MAPPED_BLOCKS, EventIngestor
 from controlplane.kvevents.subscriber import (
     DEFAULT_REPLAY_BACKOFF_S,
     DEFAULT_REPLAY_TIMEOUT_S,
+    TRACER_NAME,
     ReplicaSubscriber,
 )
 from controlplane.prefix.protocol import AsyncPrefixIndex, PrefixIndex
+from controlplane.tracing import tracer_of
 
 
 def wall_clock_ms() -> int:
@@ -46,6 +51,8 @@ class ReplicaStatus:
     mapped_blocks: int
     skipped_unknown_parent: int
     incarnation: int
+    # Unix time of the last applied batch (0.0: none yet)
+    last_batch_at: float = 0.0
 
 
 class EventIndexer:
@@ -60,7 +67,10 @@ class EventIndexer:
         max_mapped_blocks: int = DEFAULT_MAX_MAPPED_BLOCKS,
         initial_incarnation: Callable[[], int] = wall_clock_ms,
         context: zmq.asyncio.Context | None = None,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
+        """`tracer_provider`: where the per-batch spans go (default: the global provider)."""
+        tracer = tracer_of(TRACER_NAME, tracer_provider)
         self._ctx = context or zmq.asyncio.Context()
         self._own_ctx = context is None
         self.ingestors: dict[str, EventIngestor] = {}
@@ -90,6 +100,7 @@ class EventIndexer:
                 context=self._ctx,
                 replay_timeout_s=replay_timeout_s,
                 replay_backoff_s=replay_backoff_s,
+                tracer=tracer,
             )
 
     def start(self) -> None:
@@ -128,6 +139,7 @@ class EventIndexer:
                     mapped_blocks=ing.mapped_blocks,
                     skipped_unknown_parent=ing.stats.skipped_unknown_parent,
                     incarnation=ing.incarnation,
+                    last_batch_at=sub.last_applied_at,
                 )
             )
         return rows

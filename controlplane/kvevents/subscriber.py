@@ -70,6 +70,7 @@ from typing import Final
 
 import zmq
 import zmq.asyncio
+from opentelemetry.trace import Tracer
 from zmq.utils.monitor import parse_monitor_message
 
 from controlplane.kvevents.sink import EventSink, PurgeReason
@@ -81,6 +82,7 @@ from controlplane.kvevents.wire import (
     decode_seq,
     encode_seq,
 )
+from controlplane.tracing import tracer_of
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,14 @@ DIGEST_WINDOW: Final = 4096
 SUB_RCVHWM: Final = 100_000
 # live messages moved off the socket before a replay, at most
 MAX_PENDING: Final = SUB_RCVHWM
+
+# one INTERNAL span per batch handed to the index (a sink error marks it failed)
+TRACER_NAME: Final = "controlplane.kvevents"
+BATCH_SPAN: Final = "cp.kvevents.batch"
+SPAN_REPLICA: Final = "cp.replica"
+SPAN_SEQ: Final = "cp.kvevents.seq"
+SPAN_EVENTS: Final = "cp.kvevents.events"
+SPAN_REPLAYED: Final = "cp.kvevents.replayed"
 
 
 class SyncState(enum.StrEnum):
@@ -154,8 +164,10 @@ class ReplicaSubscriber:
         sink_retry_s: float = DEFAULT_SINK_RETRY_S,
         reconnect_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
+        tracer: Tracer | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self._tracer = tracer or tracer_of(TRACER_NAME)
         self.events_endpoint = events_endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic
@@ -168,6 +180,8 @@ class ReplicaSubscriber:
         self.trusted = False
         self.applied_seq = -1
         self.wire_seq = -1
+        # Unix time of the last batch handed to the sink (0.0: none yet): the index's freshness
+        self.last_applied_at = 0.0
         self._sink = sink
         self._clock = clock
         self._ctx = context or zmq.asyncio.Context.instance()
@@ -433,8 +447,16 @@ class ReplicaSubscriber:
             logger.warning("replica %s: seq %d undecodable: %s", self.replica_id, seq, exc)
             return
         self._dirty = True
-        await self._deliver(batch)
+        attributes: dict[str, str | int | bool] = {
+            SPAN_REPLICA: self.replica_id,
+            SPAN_SEQ: seq,
+            SPAN_EVENTS: len(batch.events),
+            SPAN_REPLAYED: replayed,
+        }
+        with self._tracer.start_as_current_span(BATCH_SPAN, attributes=attributes):
+            await self._deliver(batch)
         self.stats.batches_applied += 1
+        self.last_applied_at = time.time()
         if replayed:
             self.stats.batches_replayed += 1
         else:

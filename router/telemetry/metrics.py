@@ -25,15 +25,18 @@ Routing internals: `cp_decision_seconds{policy}` (the policy's `choose`),
 Per replica: `cp_outstanding_requests` / `cp_outstanding_tokens` (the router's ledger),
 `cp_engine_prefix_cache_hits_tokens` / `cp_engine_prefix_cache_queries_tokens` (gauges: the
 replica's own cumulative vLLM counters as last scraped, so they reset when the replica restarts),
-`cp_kv_events_applied_total` / `cp_kv_events_lost_total` (counters fed from the KV-event
-ingestor's cumulative stats by `sync_kv_events`, which adds the increase since the last call and
-treats a decrease as a restarted source), `cp_upstream_errors_total{replica,kind}`,
-`cp_ejections_total{replica,reason}`.
+`cp_kv_events_*{replica}` of the KV-event followers in this router (applied, lost, gaps,
+restarts, last batch time, trusted: controlplane/kvevents/metrics.py),
+`cp_upstream_errors_total{replica,kind}`, `cp_ejections_total{replica,reason}`.
 
 Resilience: `cp_retries_total{reason}`, `cp_client_disconnects_total`, `cp_inflight_requests`,
-`cp_shutdown_cut_requests_total`.
+`cp_shutdown_cut_requests_total`, `cp_routable_replicas`, and the Redis stores' breakers
+`cp_redis_breaker_open{store}` / `cp_redis_breaker_opens_total{store}`
+(controlplane/store/metrics.py).
 
-Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`.
+Quotas: `cp_quota_rejections_total{tenant,reason}`, `cp_quota_settlements_total{outcome}`,
+`cp_tenant_quota_tokens{tenant}` / `cp_tenant_quota_window_seconds{tenant}` (the configured
+quota), and usage `cp_tenant_tokens_total{tenant,kind}` (kind: prompt, completion).
 
 Fair queue shared by several routers: `cp_fair_shared_calls_total{outcome}`.
 """
@@ -41,10 +44,14 @@ Fair queue shared by several routers: `cp_fair_shared_calls_total{outcome}`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from controlplane.kvevents.metrics import KvEventMetrics
+from controlplane.store.metrics import BreakerMetrics
+from controlplane.tenancy.model import Tenant
 
 STATUS_CLIENT_CLOSED = "client_closed"
 STATUS_UPSTREAM_DIED = "upstream_died"
@@ -167,16 +174,14 @@ class RouterMetrics:
             ("reason",),
             registry=r,
         )
-        self.kv_events_applied = Counter(
-            "cp_kv_events_applied_total",
-            "KV events applied to the prefix index.",
-            ("replica",),
-            registry=r,
-        )
-        self.kv_events_lost = Counter(
-            "cp_kv_events_lost_total",
-            "KV event batches lost for good.",
-            ("replica",),
+        # the KV-event followers running in this router (controlplane/kvevents/metrics.py)
+        self.kv_events = KvEventMetrics(r)
+        # the Redis-backed stores' circuit breakers (controlplane/store/metrics.py)
+        self.breakers = BreakerMetrics(r)
+        self.routable = Gauge(
+            "cp_routable_replicas",
+            "Replicas this router may send requests to now (ready and not ejected); 0 makes "
+            "/ready answer 'no ready replica'.",
             registry=r,
         )
         self.retries = Counter(
@@ -242,20 +247,26 @@ class RouterMetrics:
             ("outcome",),
             registry=r,
         )
-        self._kv_seen: dict[tuple[str, str], float] = {}
-
-    def sync_kv_events(self, replica: str, applied: float, lost: float) -> None:
-        """Feed the ingestor's cumulative counts: add the increase since the last call (the whole
-        value after a decrease, i.e. a restarted source)."""
-        for kind, counter, value in (
-            ("applied", self.kv_events_applied, applied),
-            ("lost", self.kv_events_lost, lost),
-        ):
-            last = self._kv_seen.get((replica, kind), 0.0)
-            delta = value - last if value >= last else value
-            if delta > 0:
-                counter.labels(replica=replica).inc(delta)
-            self._kv_seen[(replica, kind)] = value
+        # tenancy: what each tenant used, and its quota (the dashboard's share and quota panels)
+        self.tenant_tokens = Counter(
+            "cp_tenant_tokens_total",
+            "Tokens of finished requests per tenant, by kind (prompt, completion), as the "
+            "replica reported them.",
+            ("tenant", "kind"),
+            registry=r,
+        )
+        self.tenant_quota_tokens = Gauge(
+            "cp_tenant_quota_tokens",
+            "The tenant's token quota per window (absent: no quota).",
+            ("tenant",),
+            registry=r,
+        )
+        self.tenant_quota_window = Gauge(
+            "cp_tenant_quota_window_seconds",
+            "The length of the tenant's quota window.",
+            ("tenant",),
+            registry=r,
+        )
 
     def set_engine_prefix(self, replica: str, hits: float, queries: float) -> None:
         """The replica's cumulative prefix-cache counters (tokens) from its last scrape."""
@@ -282,6 +293,15 @@ class RouterMetrics:
         for replica, ok in described.items():
             self.replica_described.labels(replica=replica).set(1 if ok else 0)
 
+    def sync_quotas(self, tenants: Iterable[Tenant]) -> None:
+        """The configured quotas of the tenants known now (stale tenants dropped)."""
+        self.tenant_quota_tokens.clear()
+        self.tenant_quota_window.clear()
+        for t in tenants:
+            if t.quota_tokens is not None:
+                self.tenant_quota_tokens.labels(t.tenant_id).set(t.quota_tokens)
+                self.tenant_quota_window.labels(t.tenant_id).set(t.quota_window_s)
+
     def forget_replica(self, replica: str) -> None:
         """Drop the per-replica gauges of a replica that left the fleet (counters stay)."""
         for gauge in (
@@ -292,6 +312,7 @@ class RouterMetrics:
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(replica)
+        self.kv_events.forget(replica)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition (Prometheus text format) and its content type."""

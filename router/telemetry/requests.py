@@ -68,6 +68,9 @@ class RequestTelemetry(NoHooks):
         if first_at is not None:
             m.ttft.labels(arm, policy).observe(first_at - started)
         if usage is not None:
+            tenant = scope.tenant.tenant_id
+            m.tenant_tokens.labels(tenant, "prompt").inc(usage.prompt_tokens)
+            m.tenant_tokens.labels(tenant, "completion").inc(usage.completion_tokens)
             m.prompt_tokens.labels(arm, policy).inc(usage.prompt_tokens)
             m.engine_cached_tokens.labels(arm, policy).inc(usage.cached_tokens)
             m.predicted_hit_tokens.labels(arm, policy).inc(

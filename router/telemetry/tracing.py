@@ -1,13 +1,7 @@
 """OpenTelemetry for the router: provider setup, GenAI span attributes, W3C trace context.
 
-`setup_tracing(exporter)` builds a `TracerProvider` (resource `service.name`) for the configured
-exporter (`telemetry.otel_exporter`):
-
-    none     no provider; the API's no-op tracer stays (spans cost nothing)
-    console  spans printed to stdout as they end (development)
-    otlp     batched OTLP export configured by the standard OTEL_EXPORTER_OTLP_* variables; needs
-             opentelemetry-exporter-otlp-proto-http (or -grpc) installed, which this project
-             does not depend on: without it, `ConfigError` says what to install
+`setup_tracing` (the provider: none, console or OTLP) lives in `controlplane/tracing.py`,
+shared with the KV-event indexer and the autoscaler, and is re-exported here.
 
 Spans follow the GenAI semantic conventions: name "{operation} {model}", attributes
 `gen_ai.operation.name` ("chat" for /v1/chat/completions, "text_completion" for /v1/completions),
@@ -24,23 +18,14 @@ replica's spans join the client's trace.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal
+from typing import Any
 
-from opentelemetry import propagate, trace
+from opentelemetry import propagate
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanExporter,
-)
 from opentelemetry.trace import Span
 
-from controlplane.errors import ConfigError
+from controlplane.tracing import setup_tracing
 from controlplane.types import DecisionReason
 
 TRACER_NAME = "controlplane.router"
@@ -57,50 +42,6 @@ CP_REASON = "cp.decision.reason"
 CP_REPLICA = "cp.replica"
 CP_PREDICTED_HIT_BLOCKS = "cp.prefix.predicted_hit_blocks"
 CP_CACHED_TOKENS = "cp.usage.cached_tokens"
-
-_OTLP_MODULES = (
-    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
-    "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
-)
-
-
-def _otlp_exporter() -> SpanExporter:
-    for module in _OTLP_MODULES:
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            continue
-        exporter: SpanExporter = mod.OTLPSpanExporter()
-        return exporter
-    raise ConfigError(
-        "telemetry.otel_exporter=otlp needs an OTLP exporter package, which is not installed: "
-        "pip install opentelemetry-exporter-otlp-proto-http (or -grpc), or use 'console'/'none'"
-    )
-
-
-def setup_tracing(
-    exporter: Literal["none", "console", "otlp"],
-    service_name: str = "controlplane-router",
-    *,
-    set_global: bool = True,
-) -> TracerProvider | None:
-    """The provider for `exporter` (None for "none"); installed as the global provider unless
-    `set_global` is False (the global one can be set once per process)."""
-    if exporter == "none":
-        return None
-    if exporter == "console":
-        processor: SimpleSpanProcessor | BatchSpanProcessor = SimpleSpanProcessor(
-            ConsoleSpanExporter()
-        )
-    elif exporter == "otlp":
-        processor = BatchSpanProcessor(_otlp_exporter())
-    else:
-        raise ConfigError(f"unknown OpenTelemetry exporter {exporter!r}: none, console or otlp")
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    provider.add_span_processor(processor)
-    if set_global:
-        trace.set_tracer_provider(provider)
-    return provider
 
 
 def operation_for_path(path: str) -> str:

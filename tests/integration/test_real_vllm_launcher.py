@@ -41,6 +41,12 @@ if mode == "crash":
     time.sleep(0.3)
     print("fake replica: crashing on purpose", flush=True)
     os._exit(3)
+if mode == "crash-once":
+    marker = os.path.join(os.getcwd(), f"crashed-{port}")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        print("fake replica: crashing on its first start", flush=True)
+        os._exit(5)
 if mode == "die-later":
     threading.Timer(1.5, lambda: os._exit(4)).start()
 if mode != "never-healthy":
@@ -125,6 +131,29 @@ def test_a_replica_crashing_at_startup_fails_fast_and_stops_the_rest(model_dir: 
     assert info.value.replica == "replica-1"
     assert "exited with code 3" in str(info.value)
     assert "crashing on purpose" in info.value.log_tail
+    assert all_gone(fleet.pgids())
+
+
+def test_a_replica_crashing_on_its_first_start_is_started_once_more(model_dir: Path) -> None:
+    fleet = LocalFleet(spec(model_dir=model_dir), argv_factory=fake_factory({0: "crash-once"}))
+    with fleet:
+        rep = fleet.replicas[0]
+        assert rep.startup_failures == 1
+        assert rep.healthy_at is not None
+        log = rep.log_path.read_text()
+        assert "crashing on its first start" in log  # the first attempt's log is kept
+        pgids = fleet.pgids()
+    assert all_gone(pgids)
+
+
+def test_no_retry_left_fails_with_the_root_cause(model_dir: Path) -> None:
+    fleet = LocalFleet(
+        spec(model_dir=model_dir, startup_retries=0), argv_factory=fake_factory({0: "crash-once"})
+    )
+    with pytest.raises(ReplicaFailedError) as info:
+        fleet.start()
+    assert "exited with code 5" in str(info.value)
+    assert "crashing on its first start" in info.value.log_tail
     assert all_gone(fleet.pgids())
 
 

@@ -276,6 +276,9 @@ def test_redis_stopped_under_load(
         ready = _ready(router)
         assert ready.status_code == 200  # still serving: routing on load alone
         assert any("redis" in reason for reason in ready.json()["reasons"]), ready.json()
+        # what the RedisBreakerOpen alert reads (helm/controlplane/files/prometheus/alerts.yaml)
+        assert router_metric(router, "cp_redis_breaker_open", store="prefix_index") == 1.0
+        assert router_metric(router, "cp_redis_breaker_opens_total", store="prefix_index") >= 1.0
         wait_until(
             lambda: (
                 router_metric(router, "cp_routing_fallbacks_total", reason="index_unknown")
@@ -296,6 +299,9 @@ def test_redis_stopped_under_load(
         affinity_s = time.monotonic() - back_at
         wait_until(lambda: _ready(router).json()["status"] == "ready", 5.0, "/ready to recover")
         assert router_metric(router, hits, outcome="hit") > hits_back
+        assert router_metric(router, "cp_redis_breaker_open", store="prefix_index") == 0.0
+        # every router has applied KV events in-process here: their freshness is exported
+        assert router_metric(router, "cp_kv_events_trusted", replica="a") == 1.0
 
     by_phase = {
         p: sum(1 for r in load.results if r.phase == p) for p in ("before", "down", "after")

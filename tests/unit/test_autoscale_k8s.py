@@ -19,9 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from pydantic import SecretStr
 
-from autoscaler.controller import Controller
+from autoscaler.controller import DECIDE_SPAN, TRACER_NAME, Controller
 from autoscaler.hosts.kubernetes import (
     HostSettings,
     KubernetesApiError,
@@ -31,6 +35,7 @@ from autoscaler.hosts.kubernetes import (
     metrics_app,
 )
 from autoscaler.types import ScaleContext, ScaleDecision, ScaleReason
+from controlplane.tracing import tracer_of
 
 TOKEN = "test-token"
 NS, NAME = "llm", "vllm"
@@ -349,3 +354,36 @@ async def test_unreachable_router_url_is_no_data(
     finally:
         await actuator.aclose()
         await scrape.aclose()
+
+
+@pytest.mark.parametrize(
+    ("work", "target", "reason", "patched"),
+    [
+        (30.0, 5, ScaleReason.FORECAST_UP, True),  # 3 replicas of work -> ceil(3 / 0.7) = 5
+        (0.0, 1, ScaleReason.HOLD, False),
+    ],
+)
+async def test_one_span_per_decision_with_its_reason(
+    rig: Rig, work: float, target: int, reason: ScaleReason, patched: bool
+) -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    rig.controller.tracer = tracer_of(TRACER_NAME, provider)
+    await rig.tick_with(work)
+    (span,) = exporter.get_finished_spans()
+    attrs = dict(span.attributes or {})
+    assert span.name == DECIDE_SPAN and span.kind is SpanKind.INTERNAL
+    assert attrs["cp.autoscaler.reason"] == str(reason)
+    assert attrs["cp.autoscaler.target"] == target
+    assert attrs["cp.autoscaler.applied"] is True  # the scale subresource holds the target
+    assert (attrs["cp.autoscaler.model"], attrs["cp.autoscaler.policy"]) == ("m", "tiny")
+    assert (attrs["cp.autoscaler.spec"], attrs["cp.autoscaler.ready"]) == (1, 1)
+    assert attrs["cp.autoscaler.mode"] == "kubernetes"
+    assert "cp.autoscaler.figure.need" in attrs
+    assert bool(rig.kube.patches) is patched
+    # the bounds the AutoscalerAtMax alert compares the target with
+    registry = rig.controller.metrics.registry
+    assert registry.get_sample_value("cp_autoscaler_max_replicas", {"model": "m"}) == 8.0
+    assert registry.get_sample_value("cp_autoscaler_min_replicas", {"model": "m"}) == 1.0
+    provider.shutdown()

@@ -88,6 +88,29 @@ def test_loading_replicas_join_after_the_load_time_and_not_before() -> None:
         assert r.arrival_s >= rep.ready_s or rep.joined_s == 0.0
 
 
+@pytest.mark.parametrize(
+    ("plan", "loading_at_25", "ready_at_70"),
+    [
+        # a second order while the first is loading adds to it and cancels nothing
+        (((10.0, 3), (20.0, 9)), 8, 9),
+        (((10.0, 5), (20.0, 6)), 5, 6),
+        # a lower target cancels the youngest loading replicas, and only those
+        (((10.0, 5), (20.0, 3)), 2, 3),
+    ],
+)
+def test_orders_while_replicas_load(
+    plan: tuple[tuple[float, int], ...], loading_at_25: int, ready_at_70: int
+) -> None:
+    result = run(Scripted(plan), steady(4.0, 90.0), n0=1, load=30.0)
+    by_t = {p.t_s: p for p in result.timeline}
+    assert by_t[25.0].ready == 1
+    assert by_t[25.0].loading == loading_at_25
+    assert (by_t[70.0].ready, by_t[70.0].loading) == (ready_at_70, 0)
+    # only a lower target cancels: the youngest loading replicas, at the tick that lowered it
+    cancelled = [s for s in result.result.replicas if s.left_s == 20.0]
+    assert len(cancelled) == max(0, plan[0][1] - plan[1][1])
+
+
 def test_scale_down_drains_without_losing_requests() -> None:
     # four replicas busy with long outputs, then down to one while they hold requests
     reqs = steady(8.0, 60.0, prompt=2000, output=400)

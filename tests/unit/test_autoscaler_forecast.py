@@ -120,12 +120,49 @@ def test_sigma_falls_back_to_the_random_walk_rule_before_enough_residuals() -> N
 
 
 def test_a_missed_drop_does_not_inflate_the_upside_sigma() -> None:
+    # a fall from 8 to 1 over 400 s: every tick stays inside the band (no shift), and the
+    # forecasts made on the way down over-forecast
     rng = random.Random(9)
     values = [8.0 + rng.gauss(0.0, 0.1) for _ in range(100)]
-    values += [1.0 + rng.gauss(0.0, 0.1) for _ in range(60)]
+    values += [max(1.0, 8.0 - 7.0 * i / 40) + rng.gauss(0.0, 0.1) for i in range(60)]
     state = feed(FLAT, values)
     assert sigma_at_horizon(FLAT, state) > 1.0  # the symmetric error saw the miss
     assert upside_sigma_at_horizon(FLAT, state) < 0.5
+
+
+@pytest.mark.parametrize("step", [5.0, 30.0])
+def test_a_step_is_a_new_level_not_a_forecast_error(step: float) -> None:
+    # after the shift is confirmed the forecasts made for the old level are void: the upside
+    # sigma at the horizon does not carry the step for the next hour
+    rng = random.Random(4)
+    values = [1.0 + rng.gauss(0.0, 0.05) for _ in range(100)]
+    values += [1.0 + step + rng.gauss(0.0, 0.05) for _ in range(100)]
+    state = feed(FLAT, values)
+    assert current_level(FLAT, state) == pytest.approx(1.0 + step, rel=0.05)
+    assert upside_sigma_at_horizon(FLAT, state) < 0.1 * step
+
+
+@pytest.mark.parametrize(
+    ("ratio", "ticks_to_follow"),
+    [
+        (math.inf, 9),  # no surge rule: the 90-s shift confirmation (9 ticks of 10 s)
+        (3.0, 3),  # a 10x excursion is confirmed after surge_confirm_s = 30 s
+    ],
+)
+def test_a_surge_far_above_the_level_is_followed_sooner(ratio: float, ticks_to_follow: int) -> None:
+    cfg = dataclasses.replace(FLAT, surge_ratio=ratio)
+    base = [2.0] * 50
+    for k in range(1, 12):
+        state = feed(cfg, base + [20.0] * k)
+        if current_level(cfg, state) > 10.0:
+            break
+    assert k == ticks_to_follow
+
+
+def test_a_smaller_excursion_waits_for_the_shift_confirmation() -> None:
+    cfg = dataclasses.replace(FLAT, surge_ratio=3.0)
+    state = feed(cfg, [2.0] * 50 + [5.0] * 6)  # 2.5x for 60 s: a burst, not a surge
+    assert current_level(cfg, state) < 3.0
 
 
 # -- peak and immutability ------------------------------------------------------------------------

@@ -390,3 +390,29 @@ def test_decode_wobbles_do_not_count_as_bursts() -> None:
     steady = [(1.0, 2.0)] * 400
     a, b = _run_split(bursty_decode), _run_split(steady)
     assert a.figures()["burst_factor"] == pytest.approx(b.figures()["burst_factor"])
+
+
+# -- a step is a new level ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("surge_min_ratio", "orders_by_s"),
+    [
+        (3.0, 40.0),  # 30x the level: a surge, followed after 30 s (+ one tick)
+        (math.inf, 310.0),  # without the surge rule the level waits for the 300-s confirmation
+    ],
+)
+def test_a_step_far_above_any_burst_is_followed_within_seconds(
+    surge_min_ratio: float, orders_by_s: float
+) -> None:
+    policy = HeadroomPolicy(
+        HeadroomConfig(ConstRho(0.8), surge_min_ratio=surge_min_ratio, max_step_up=64)
+    )
+    rates = [0.3] * 60 + [9.0] * 60  # the step at 600 s
+    run, _ = drive(policy, rates, start=1)
+    need = math.ceil(9.0 / 0.8)
+    first = next((t for t, d in run if t >= 600.0 and d.target >= need), math.inf)
+    assert first - 600.0 <= orders_by_s
+    if math.isinf(surge_min_ratio):
+        assert first - 600.0 > 40.0
+    # and the step does not stay in the forecast error: no more than the rate and burst need
+    # plus rounding once it is followed (no backlog here)
+    assert max(d.target for _, d in run) <= need + 3

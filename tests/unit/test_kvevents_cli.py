@@ -119,7 +119,23 @@ def test_indexer_command_runs_and_stops() -> None:
             "0.05",
             "--replay-timeout",
             "0.05",
+            "--metrics-port",
+            "0",
+            "--metrics-host",
+            "127.0.0.1",
         ],
     )
     assert result.exit_code == 0, result.output
     assert "following 1 replica(s)" in result.output
+    assert "/metrics on 127.0.0.1:" in result.output
+
+
+def test_indexer_command_refuses_an_unknown_exporter() -> None:
+    _register()
+    result = CliRunner().invoke(
+        app,
+        ["indexer", "--memory", "--replica", "id=r0,events=tcp://127.0.0.1:9,model=m",
+         "--otel-exporter", "jaeger"],
+    )  # fmt: skip
+    assert result.exit_code != 0
+    assert "none, console or otlp" in str(result.exception or "") + result.output

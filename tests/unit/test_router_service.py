@@ -90,6 +90,12 @@ async def test_trace_context_reaches_the_replica_under_the_upstream_span(svc: Se
     assert attrs["cp.arm"] == "prefix_affinity"
     assert attrs["cp.replica"] in ("a", "b")
     assert attrs["cp.decision.reason"]
+    # the tenant's usage (open mode: the default tenant), as the replica reported it
+    usage = r.json()["usage"]
+    reg = svc.runtime.metrics.registry
+    for kind in ("prompt", "completion"):
+        got = reg.get_sample_value("cp_tenant_tokens_total", {"tenant": "default", "kind": kind})
+        assert got == usage[f"{kind}_tokens"]
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from opentelemetry.trace import format_trace_id
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from controlplane import tracing as cp_tracing
 from controlplane.errors import ConfigError
 from controlplane.types import DecisionReason
 from router.telemetry import (
@@ -187,27 +188,6 @@ def test_latency_buckets_span_milliseconds_to_minutes() -> None:
     assert finite[0] <= 0.01 and finite[-1] >= 60
 
 
-@pytest.mark.parametrize(
-    ("cumulative", "expected"),
-    [
-        ([(10, 0), (25, 1)], (25.0, 1.0)),
-        ([(10, 0), (10, 0)], (10.0, 0.0)),
-        ([(10, 2), (4, 0), (6, 1)], (16.0, 3.0)),  # a restarted source: its new total is added
-    ],
-)
-def test_sync_kv_events_adds_increases(
-    cumulative: list[tuple[float, float]], expected: tuple[float, float]
-) -> None:
-    m = RouterMetrics()
-    for applied, lost in cumulative:
-        m.sync_kv_events("r1", applied=applied, lost=lost)
-    got = tuple(
-        m.registry.get_sample_value(name, {"replica": "r1"}) or 0.0
-        for name in ("cp_kv_events_applied_total", "cp_kv_events_lost_total")
-    )
-    assert got == expected
-
-
 def test_forget_replica_drops_its_gauges() -> None:
     m = RouterMetrics()
     m.outstanding_tokens.labels(replica="r1").set(5)
@@ -328,7 +308,7 @@ def test_setup_tracing_none_and_console() -> None:
 
 
 def test_setup_tracing_otlp_without_the_exporter_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tracing, "_OTLP_MODULES", ("cp_test_no_such_package.trace_exporter",))
+    monkeypatch.setattr(cp_tracing, "_OTLP_MODULES", ("cp_test_no_such_package.trace_exporter",))
     with pytest.raises(ConfigError, match="opentelemetry-exporter-otlp-proto-http"):
         setup_tracing("otlp", set_global=False)
 
