@@ -29,6 +29,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 from opentelemetry import trace
@@ -44,9 +45,10 @@ from controlplane.store.breaker import CircuitBreaker
 from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.quota import QuotaStore
 from controlplane.tenancy.quota_redis import RedisQuotaStore
+from controlplane.types import FleetSnapshot
 from router.config import ReplicaConfig, RouterSettings
-from router.core import RouterCore
-from router.fairness.queue import FairQueue
+from router.core import Prefetch, RouterCore
+from router.fairness.queue import FairQueue, Ticket
 from router.fairness.shared import SharedFairQueue, fair_queue_for
 from router.fairness.tenants import QuotaHooks, key_ring, quota_store_for, salt_policy
 from router.fleet.follower import RegistryFollower
@@ -73,10 +75,17 @@ from router.telemetry.requests import RequestTelemetry
 from router.telemetry.tracing import TRACER_NAME
 from router.tokenizer import router_tokenizer
 
+if TYPE_CHECKING:
+    from router.http.relay import Exchange
+
 log = logging.getLogger("controlplane.router")
 
 
 class RouterRuntime:
+    # the upstream side of a request (router/http/relay.py's `Exchange` when None); the Serve
+    # ingress sends through a deployment handle instead (router/serve/ingress.py)
+    exchange_type: ClassVar[type[Exchange] | None] = None
+
     def __init__(
         self,
         settings: RouterSettings,
@@ -134,7 +143,7 @@ class RouterRuntime:
         # the fair queue: local, or shared by every router in Redis (router/fairness/shared.py)
         self.fairq: FairQueue = fair_queue_for(
             settings,
-            self.fleet.snapshot,
+            self.fleet_snapshot,
             on_change=lambda tenant, queued: self.metrics.queued.labels(tenant).set(queued),
             on_outcome=lambda outcome: self.metrics.fair_shared.labels(outcome).inc(),
         )
@@ -269,9 +278,16 @@ class RouterRuntime:
         self.ledger.drop_replica(replica_id)
         await self.index.clear(replica_id)
 
+    def fleet_snapshot(self) -> FleetSnapshot:
+        """The replicas requests go to, as the fair queue sizes its room on them."""
+        return self.fleet.snapshot()
+
+    def ready_count(self) -> int:
+        return self.fleet.ready_count()
+
     def degraded_reasons(self) -> list[str]:
         reasons = []
-        if self.fleet.ready_count() == 0:
+        if self.ready_count() == 0:
             reasons.append("no ready replica")
         if self.follower.degraded_reason:
             reasons.append(self.follower.degraded_reason)
@@ -292,6 +308,14 @@ class RouterRuntime:
     ) -> RequestScope:
         """A new request's scope, closed by every part that keeps books about it."""
         return RequestScope(request_id, tenant, model, self.hooks, started_s, stream)
+
+    async def route(self, scope: RequestScope, ticket: Ticket, prefetched: Prefetch | None) -> None:
+        """Choose the request's replica (among those the fair queue found room on), book it,
+        and move its fair-queue slot there."""
+        assert scope.request is not None
+        routed = await self.core.route(scope.request, allowed=ticket.room, prefetched=prefetched)
+        scope.routed = routed
+        self.fairq.place(ticket, routed.replica_id, self.profile_of(routed))
 
     def profile_of(self, routed: Routed) -> EngineProfile:
         """The roofline profile of the replica a request was routed to."""
@@ -317,7 +341,7 @@ class RouterRuntime:
         sources = {r.replica_id: str(r.profile_source) for r in self.fleet.replicas()}
         m.sync_descriptions(self.fleet.groups.drift_of(), described, sources)
         m.inflight.set(len(self.ledger))
-        m.routable.set(self.fleet.ready_count())
+        m.routable.set(self.ready_count())
         m.sync_quotas(self.tenancy.tenants())
         for follower in self.events.values():
             m.kv_events.sync(follower.status())

@@ -29,6 +29,9 @@ Each call, `ServeAutoscaler`:
      per request)`, backlog `Q` requests of the same work.
    - `auto` (default): `metrics` once any replica reports `cp_demand_arrivals_total`, else
      `ongoing`.
+   - `ingress`: the `metrics` rule over the counters the INGRESS deployment's replicas report
+     (`ingress_deployment`, same application), read from the controller's demand board
+     (`autoscaler/hosts/ray_ingress.py`); none posted within `ingress_stale_s`: NO_DATA.
 4. NO_DATA holds Ray's target; otherwise `policy.decide(ctx, state, now)` with `now` =
    `ctx.current_time`. The policy's state and ours live in Ray's `policy_state` (one key).
 """
@@ -46,10 +49,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from autoscaler.controller import counter_delta, load_policy
 from autoscaler.hosts import FleetObservation, LoadTimes
+from autoscaler.hosts.ray_ingress import board
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
 from controlplane.errors import ConfigError
 
-log = logging.getLogger("controlplane.autoscaler.ray")
+# a child of Serve's logger: the decisions land in the controller's log (serve/controller_*.log)
+log = logging.getLogger("ray.serve.controlplane.autoscaler")
 
 ARRIVALS = "cp_demand_arrivals_total"
 PREFILL = "cp_demand_prefill_work_seconds_total"
@@ -80,8 +85,16 @@ class RayPolicyConfig(BaseSettings):
     load_time_s: float = Field(
         default=120.0, gt=0, description="Replica start-to-ready time until one is measured."
     )
-    demand: Literal["auto", "metrics", "ongoing"] = Field(
-        default="auto", description="Replicas' reported demand, Ray's ongoing requests, or auto."
+    demand: Literal["auto", "metrics", "ongoing", "ingress"] = Field(
+        default="auto",
+        description="Replicas' reported demand, Ray's ongoing requests, auto, or the ingress "
+        "deployment's reported demand.",
+    )
+    ingress_deployment: str = Field(
+        default="ingress", description="ingress demand: the deployment whose replicas report it."
+    )
+    ingress_stale_s: float = Field(
+        default=30.0, gt=0, description="ingress demand: older than this, it is no data."
     )
     prefill_work_per_request_s: float = Field(
         default=0.05, ge=0, description="ongoing demand: prefill work of one request (replica-s)."
@@ -237,9 +250,14 @@ class ServeAutoscaler:
             target = st.target if st.target is not None else spec
             return target, {**ctx.policy_state, STATE_KEY: replace(st, load_times=lt, spec=spec)}
 
-        raw = ctx.raw_metrics or {}
+        raw: dict[str, dict[Any, Any]] | None = ctx.raw_metrics or {}
+        if cfg.demand == "ingress":
+            app = str(ctx.app_name)
+            raw = board().read(app, cfg.ingress_deployment, now, cfg.ingress_stale_s)
         baselines = st.baselines
-        if cfg.demand == "metrics" or (cfg.demand == "auto" and ARRIVALS in raw):
+        if raw is None:  # the ingress posted nothing lately: hold, and baseline afresh
+            sample, baselines = DemandSample(t_s=now, interval_s=0.0), None
+        elif cfg.demand in ("metrics", "ingress") or (cfg.demand == "auto" and ARRIVALS in raw):
             sample, baselines = metrics_sample(raw, st, now)
         else:
             interval = cfg.tick_s if st.last_tick is None else now - st.last_tick

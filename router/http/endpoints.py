@@ -122,11 +122,11 @@ async def ready(request: Request) -> JSONResponse:
         draining = {"status": "draining", "reasons": ["shutting_down"]}
         return JSONResponse(draining, status_code=503)
     reasons = rt.degraded_reasons()
-    serving = rt.fleet.ready_count() > 0
+    serving = rt.ready_count() > 0
     body = {
         "status": "ready" if not reasons else "degraded",
         "reasons": reasons,
-        "ready_replicas": rt.fleet.ready_count(),
+        "ready_replicas": rt.ready_count(),
         "index": rt.index.kind,
     }
     return JSONResponse(body, status_code=200 if serving else 503)

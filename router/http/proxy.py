@@ -33,7 +33,7 @@ from router.fleet.health import FailureReason, SlowReason
 from router.fleet.live_fleet import LiveFleet
 from router.http.ejection import Ejected, EjectionGuard
 from router.http.h1 import ConnectFailed, Header, UpstreamBroken
-from router.http.upstream import UpstreamResponse
+from router.http.upstream import UpstreamPool, UpstreamResponse
 
 
 class RetryBudget:
@@ -138,11 +138,25 @@ class Proxy:
     async def _open(
         self, replica_id: str, path: str, payload: bytes, headers: Sequence[Header]
     ) -> Upstream:
-        rep = self.fleet.get(replica_id)
+        return await self.send(
+            self.fleet.get(replica_id).upstream, replica_id, path, payload, headers
+        )
+
+    async def send(
+        self,
+        pool: UpstreamPool,
+        replica_id: str,
+        path: str,
+        payload: bytes,
+        headers: Sequence[Header],
+    ) -> Upstream:
+        """`open` over a given client (the Serve ingress's handle: router/serve/upstream.py),
+        without the ejection watch; failures are recorded on the fleet's `replica_id` (ignored
+        when the fleet does not know it)."""
         deadline = time.monotonic() + self.ttft_s
         try:
             async with asyncio.timeout(self.ttft_s):
-                resp = await rep.upstream.request(b"POST", path, headers, payload)
+                resp = await pool.request(b"POST", path, headers, payload)
         except ConnectFailed as exc:
             self.fleet.record_failure(replica_id, FailureReason.CONNECT)
             raise NotAccepted(RetryReason.CONNECT) from exc

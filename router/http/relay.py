@@ -188,12 +188,16 @@ class Exchange:
                 proxy.budget.spend()  # an ejection's retry spends a token when there is one
                 rt.metrics.retries.labels(exc.kind).inc()
                 continue
-            self.up = up
-            if up.status < 400:
-                scope.first_token(up.first_at)
-            elif up.status < 500:
-                scope.refused_by_replica = True
-            return up
+            return self.accepted(up)
+
+    def accepted(self, up: Upstream) -> Upstream:
+        """The replica answered: the scope hears of its first token (or its refusal)."""
+        self.up = up
+        if up.status < 400:
+            self.scope.first_token(up.first_at)
+        elif up.status < 500:
+            self.scope.refused_by_replica = True
+        return up
 
     async def relay(self, send: Send, headers: list[Header], watch: ClientWatch) -> None:
         """Stream the replica's bytes to the client (an SSE error event ends a broken stream),
@@ -357,9 +361,7 @@ async def _serve(
             except BaseException:
                 rt.core.discard(lookup)
                 raise
-            routed = await rt.core.route(built, allowed=ticket.room, prefetched=lookup)
-            scope.routed = routed
-            rt.fairq.place(ticket, routed.replica_id, rt.profile_of(routed))
+            await rt.route(scope, ticket, lookup)
             for span in (sp, root):
                 decision_attributes(span, scope)
     except ClientGone:
@@ -377,7 +379,7 @@ async def _serve(
             await send_error(send, exc, rid)
             return
         raise
-    ex = Exchange(rt, scope, req.include_usage)
+    ex = (rt.exchange_type or Exchange)(rt, scope, req.include_usage)
     upstream = tracer.start_span(
         "upstream", context=trace.set_span_in_context(root), kind=SpanKind.CLIENT
     )
@@ -388,10 +390,12 @@ async def _serve(
     reservation = scope.reservation
     try:
         cap = reservation.max_tokens if reservation is not None else None
-        payload = upstream_payload(req, rt, routed.request.cache_salt, cap)
+        payload = upstream_payload(req, rt, built.cache_salt, cap)
         async with watch.cancellable():
             up = await ex.open(path, payload, _headers(up_headers))
-        out = {"x-request-id": rid, **rt.decision_header(routed)}
+        out = {"x-request-id": rid}
+        if scope.routed is not None:
+            out |= rt.decision_header(scope.routed)
         if reservation is not None:
             out |= reservation.headers()  # x-ratelimit-*-tokens, as OpenAI sends
         out_headers = _headers(out)

@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from autoscaler.capacity import SloCapacity
 from autoscaler.demand import DemandMeter
+from autoscaler.hosts.ray_serve import DemandTotals
 from controlplane.roofline.profile import profile
 from router.config import RouterSettings
 
@@ -58,6 +59,8 @@ class RouterDemand:
         self.capacity = demand_capacity(settings)
         self.clock = clock
         self.meters: dict[str, DemandMeter] = {}
+        # the same signal summed over models, as a Serve replica reports it (`stats`)
+        self.totals = DemandTotals()
         self._model_of: dict[str, str] = {}
         r = registry
         self.work = Counter(
@@ -112,6 +115,7 @@ class RouterDemand:
         self.work.labels(model, "decode").inc(decode)
         self.work_sq.labels(model).inc(prefill * prefill)
         self.arrivals.labels(model).inc()
+        self.totals.arrived(prefill, decode)
         self._gauges(model, meter)
 
     def first_token(self, request_id: str) -> None:
@@ -121,6 +125,18 @@ class RouterDemand:
         meter = self.meters[model]
         meter.first_token(request_id, self.clock())
         self._gauges(model, meter)
+
+    def stats(self) -> dict[str, float]:
+        """Every model's demand as one `DemandTotals.stats()` (the counters and gauges above,
+        summed over models): what an ingress replica on Ray Serve returns from
+        `record_autoscaling_stats` (autoscaler/hosts/ray_ingress.py)."""
+        meters = self.meters.values()
+        self.totals.set_load(
+            backlog_requests=sum(m.backlog_requests for m in meters),
+            backlog_work_s=sum(m.backlog_work_s for m in meters),
+            in_flight=sum(m.in_flight for m in meters),
+        )
+        return self.totals.stats()
 
     # -- the request scope's hooks (router/scope.py) ----------------------------------------------
     def on_admitted(self, scope: RequestScope) -> None:
