@@ -88,13 +88,21 @@ class ChartCopy:
     def values_file(self, name: str) -> Path | None:
         return None if name == "default" else self.path / "ci" / f"{name}-values.yaml"
 
-    def template(self, values: str = "default", *, sets: Mapping[str, str] = {}) -> str:
+    def template(
+        self,
+        values: str = "default",
+        *,
+        sets: Mapping[str, str] = {},
+        set_files: Mapping[str, Path] = {},
+    ) -> str:
         args: list[str | Path] = [tool("helm"), "template", RELEASE, self.path, "-n", NAMESPACE]
         vf = self.values_file(values)
         if vf is not None:
             args += ["-f", vf]
         for key, value in sets.items():
             args += ["--set", f"{key}={value}"]
+        for key, path in set_files.items():
+            args += ["--set-file", f"{key}={path}"]
         done = run(args)
         if done.returncode != 0:
             raise RenderError(done.stderr.strip())
@@ -107,8 +115,14 @@ class ChartCopy:
             raise RenderError(done.stderr.strip())
         return [Obj(d) for d in yaml.safe_load_all(done.stdout) if d]
 
-    def render(self, values: str = "default", *, sets: Mapping[str, str] = {}) -> list[Obj]:
-        text = self.template(values, sets=sets)
+    def render(
+        self,
+        values: str = "default",
+        *,
+        sets: Mapping[str, str] = {},
+        set_files: Mapping[str, Path] = {},
+    ) -> list[Obj]:
+        text = self.template(values, sets=sets, set_files=set_files)
         return [Obj(d) for d in yaml.safe_load_all(text) if d]
 
 

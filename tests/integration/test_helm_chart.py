@@ -424,3 +424,28 @@ def test_notes_name_objects_the_release_has(
     refs += [("Secret", n) for n in re.findall(r"get secret (\S+)", notes)]
     assert refs and [r for r in refs if r not in names] == []
     assert f"port-forward svc/{RELEASE}-controlplane-router" in notes
+
+
+@pytest.mark.filterwarnings(  # Ray 2.60's own pydantic use, on import
+    "ignore:Using extra keyword arguments on `Field`:DeprecationWarning:ray.serve._private.config"
+)
+@pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
+def test_the_ray_applications_serve_build_output_is_the_rayservice_config(chart: ChartCopy) -> None:
+    """deploy/ray/serve_config_v2.yaml (`serve build` of the Ray application, kept current by
+    test_serve_packaging.py) goes into the chart as the guide says, and what the RayService
+    carries is that config: valid for KubeRay's CRD and for Serve's own deploy schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    built = REPO / "deploy" / "ray" / "serve_config_v2.yaml"
+    objs = chart.render("ray", set_files={"rayService.serveConfigV2": built})
+    ray = one(objs, "RayService", "-ray")
+    schema = json.loads((FIXTURES / CRDS[("ray.io/v1", "RayService")]).read_text())
+    errors = [
+        e.message
+        for e in jsonschema.Draft7Validator(schema["openAPIV3Schema"]).iter_errors(ray.doc)
+    ]
+    assert errors == []
+    carried = yaml.safe_load(ray.doc["spec"]["serveConfigV2"])
+    assert carried == yaml.safe_load(built.read_text())
+    ServeDeploySchema.model_validate(carried)
+    assert [a["import_path"] for a in carried["applications"]] == ["deploy.ray.apps:sim_fleet"]
