@@ -58,7 +58,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -81,6 +81,9 @@ log = logging.getLogger("controlplane.router.serve")
 ROUTER_HEADER = "x-cp-router"
 ROUTER_DEPLOYMENT = "router"
 INDEXER_DEPLOYMENT = "kv_indexer"
+
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ServeArgs(BaseModel):
@@ -106,13 +109,18 @@ class ServeArgs(BaseModel):
     )
 
 
-def parse_args(args: dict[str, Any] | ServeArgs | None) -> ServeArgs:
-    if isinstance(args, ServeArgs):
+def validate_args(model: type[M], args: dict[str, Any] | M | None, what: str) -> M:
+    """A Serve builder's arguments as `model`; a ConfigError naming `what` when invalid."""
+    if isinstance(args, model):
         return args
     try:
-        return ServeArgs.model_validate(args or {})
+        return model.model_validate(args or {})
     except ValidationError as exc:
-        raise ConfigError(f"invalid Ray Serve application arguments:\n{exc}") from None
+        raise ConfigError(f"invalid {what}:\n{exc}") from None
+
+
+def parse_args(args: dict[str, Any] | ServeArgs | None) -> ServeArgs:
+    return validate_args(ServeArgs, args, "Ray Serve application arguments")
 
 
 def resolve_settings(args: ServeArgs) -> RouterSettings:

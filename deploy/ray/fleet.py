@@ -41,6 +41,7 @@ from ray.serve.config import RequestRouterConfig
 from autoscaler.hosts.ray_ingress import ingress_autoscaling_config
 from autoscaler.hosts.ray_serve import autoscaling_config
 from controlplane.errors import ConfigError
+from deploy.app import validate_args
 from deploy.engines.deployment import STATS_PERIOD_S, engine_deployment
 from deploy.ray.ingress import INGRESS_DEPLOYMENT, IngressDeployment
 from router.config import RouterSettings, load_settings
@@ -115,12 +116,7 @@ class FleetArgs(BaseModel):
 
 
 def parse_args(args: dict[str, Any] | FleetArgs | None) -> FleetArgs:
-    if isinstance(args, FleetArgs):
-        return args
-    try:
-        return FleetArgs.model_validate(args or {})
-    except ValidationError as exc:
-        raise ConfigError(f"invalid Ray Serve fleet arguments:\n{exc}") from None
+    return validate_args(FleetArgs, args, "Ray Serve fleet arguments")
 
 
 def _absolute(path: str) -> str:
