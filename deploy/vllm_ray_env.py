@@ -27,7 +27,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from deploy.vllm_env import Log, VllmEnvError, _run, read_stamp, repo_root, venv_python
+from deploy.vllm_env import (
+    Log,
+    VllmEnvError,
+    _run,
+    read_stamp,
+    repo_root,
+    stamp_data,
+    venv_python,
+)
 
 RAY_VERSION = "2.60.0"
 STAMP_NAME = ".vllm-ray-env-ok"
@@ -71,12 +79,8 @@ def _site_packages(venv: Path) -> Path:
 
 def read_ray_stamp(venv: Path | None = None) -> VllmRayEnv | None:
     venv = venv or default_ray_venv()
-    stamp = venv / STAMP_NAME
-    if not stamp.is_file() or not venv_python(venv).exists():
-        return None
-    try:
-        data = json.loads(stamp.read_text())
-    except (OSError, ValueError):
+    data = stamp_data(venv, STAMP_NAME)
+    if data is None:
         return None
     base = Path(str(data.get("base", "")))
     if data.get("ray") != RAY_VERSION or read_stamp(base) is None:
