@@ -209,6 +209,7 @@ def test_replica_http_answers_as_the_http_server(
     stack: Stack, engine_urls: dict[str, str], case: Case
 ) -> None:
     rid = f"http-{case.name.replace(' ', '-')}"
+
     def uncached(answer: Answer) -> tuple[int, str, str, list[Any]]:
         # the engines' prefix caches have different histories (the same prompts went to the
         # server and to some replicas before): the cached-token count is each cache's state
