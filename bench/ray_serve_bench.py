@@ -27,8 +27,11 @@ Serve variants (each a fresh cluster, the three targets measured side by side in
 (RAY_SERVE_THROUGHPUT_OPTIMIZED=1: user code and the handle's router on the replica's main loop,
 request-path logs buffered, no stderr logging, GC frozen after start, gRPC between handle and
 replica) with RAY_SERVE_ENABLE_DIRECT_INGRESS=0, which that flag would otherwise turn on (direct
-ingress drops the proxy: not the path measured here). `serve_path` in the JSON is the variant
-with the lower added p50 (its flags are listed beside it).
+ingress drops the proxy hop: a path of its own, below). `serve_path` in the JSON is the variant
+with the proxy and the lower added p50 (its flags are listed beside it). A third variant,
+`direct_ingress` (the same flags with RAY_SERVE_ENABLE_DIRECT_INGRESS=1: the ingress replica
+serves HTTP on its own port, given by RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT, no proxy hop;
+Serve 2.60 still starts a proxy, idle here), is `serve_direct_ingress`.
 
 Quality: engine-reported prefix hit rate and TTFT of our RequestRouter (prefix affinity), Serve's
 default `PowerOfTwoChoicesRequestRouter` and Ray's own `PrefixCacheAffinityRouter` (the ray
@@ -40,6 +43,7 @@ wheel's, through deploy/engines/ray_prefix_router.py), from bench/serve_engines_
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -52,6 +56,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import httpx
 from common import console, out_dir, print_table, save_figure, write_json
 from live_stack import MODEL, OurRouter, Result, cpu_s, new_client, open_loop, quantile
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -73,6 +78,12 @@ VARIANTS: dict[str, dict[str, str]] = {
     "throughput_optimized": {
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "0",
+    },
+    # the same, and the ingress replica serves HTTP itself: no proxy (port given below)
+    "direct_ingress": {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     },
 }
 ALWAYS = "access logs off (LoggingConfig(enable_access_log=False)), log level WARNING"
@@ -207,6 +218,14 @@ async def measure(
 
 def run_variant(name: str, flags: dict[str, str], md: Path, redis_url: str) -> dict[str, Any]:
     """One fresh Ray cluster with `flags` in its environment: the three targets side by side."""
+    port = free_port()
+    direct_ingress = flags.get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+    if direct_ingress:  # the ingress replica's own HTTP port: one port, this one
+        port = free_port()
+        flags = flags | {
+            "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        }
     saved = {k: os.environ.get(k) for k in flags}
     os.environ.update(flags)  # before ray.init: the cluster's processes inherit them
     import ray
@@ -214,11 +233,11 @@ def run_variant(name: str, flags: dict[str, str], md: Path, redis_url: str) -> d
 
     from deploy.ray.fleet import ENGINE_DEPLOYMENT, FleetArgs, build_fleet
 
-    port = free_port()
     logging = {"enable_access_log": False, "log_level": "WARNING"}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port}, logging_config=logging)
+        http = {"host": "127.0.0.1", "port": port if not direct_ingress else free_port()}
+        serve.start(http_options=http, logging_config=logging)
         args = FleetArgs(
             engine="sim",
             engine_args={"speed": SPEED, "model_dir": str(md)},
@@ -237,6 +256,8 @@ def run_variant(name: str, flags: dict[str, str], md: Path, redis_url: str) -> d
             engines = proc_pids("ServeReplica:fleet:engine")
             console.print(f"{name}: proxy pids {proxy}, ingress {ingress}, engines {engines}")
             assert proxy and ingress and len(engines) == 2, "Serve's processes not found"
+            models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10)
+            assert models.status_code == 200, f"serve path on port {port}: {models.status_code}"
             for pid in proxy + ingress:  # the flags reached Serve's processes
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 assert all(f"{k}={v}".encode() in env for k, v in flags.items()), (pid, flags)
@@ -312,12 +333,21 @@ def plot(variants: dict[str, dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="Serve variants to run")
+    chosen = parser.parse_args().variants.split(",")
+    # Serve reads its flags at import: imported here, before any variant's flags are set, this
+    # process (which only asks the engines for their URLs) keeps the defaults; the cluster's
+    # processes, started per variant, get the variant's
+    import ray.serve  # noqa: F401
+
     md = default_model_dir()
     make_tiny_model(md)
     variants: dict[str, dict[str, Any]] = {}
     with RedisServer() as redis_server:
         for name, flags in VARIANTS.items():
-            variants[name] = run_variant(name, flags, md, redis_server.url)
+            if name in chosen:
+                variants[name] = run_variant(name, flags, md, redis_server.url)
     rows = []
     for v, r in variants.items():
         for t in TARGETS:
@@ -348,7 +378,8 @@ def main() -> None:
         ],
         rows,
     )
-    best = min(variants, key=lambda v: variants[v]["serve_path"]["added_ttft_p50_ms"])
+    proxied = [v for v in variants if VARIANTS[v].get("RAY_SERVE_ENABLE_DIRECT_INGRESS") != "1"]
+    best = min(proxied, key=lambda v: variants[v]["serve_path"]["added_ttft_p50_ms"])
     keys = ("added_ttft_p50_ms", "added_ttft_p99_ms", "cpu_ms_per_request")
     q = quality()
     print_table(
@@ -365,6 +396,16 @@ def main() -> None:
             "serve_path": {k: variants[best]["serve_path"][k] for k in keys}
             | {"variant": best, "options": {"env": flags, "always": ALWAYS}},
             "standalone": {k: variants[best]["standalone"][k] for k in keys},
+            # no proxy: the ingress replica's own HTTP server (Serve 2.60's direct ingress)
+            **(
+                {
+                    "serve_direct_ingress": {
+                        k: variants["direct_ingress"]["serve_path"][k] for k in keys
+                    }
+                }
+                if "direct_ingress" in variants
+                else {}
+            ),
             "quality": q,
             "variants": variants,
             "load": {
