@@ -213,6 +213,11 @@ async def measure(
             out[t]["added_ttft_p50_ms"] = out[t]["ttft_p50_ms"] - out["direct"]["ttft_p50_ms"]
             out[t]["added_ttft_p99_ms"] = out[t]["ttft_p99_ms"] - out["direct"]["ttft_p99_ms"]
             out[t]["cpu_ms_per_request"] = costs[t]["router_process"]
+    # the Serve path's CPU split by process: the proxy's share, the ingress replica's
+    for part in ("serve_proxy", "serve_ingress"):
+        renamed = [(t, n, w, {**u, "serve_path": u[part]}) for t, n, w, u in phases]
+        share = cpu_costs(renamed, list(urls))["serve_path"]["router_process"]
+        out["serve_path"][f"cpu_ms_per_request_{part.removeprefix('serve_')}"] = share
     return out
 
 
@@ -267,6 +272,8 @@ def run_variant(name: str, flags: dict[str, str], md: Path, redis_url: str) -> d
                 "fleet": lambda: pids_cpu_s(engines),
                 "standalone": lambda: cpu_s([pgid]),
                 "serve_path": lambda: pids_cpu_s(proxy + ingress),
+                "serve_proxy": lambda: pids_cpu_s(proxy),
+                "serve_ingress": lambda: pids_cpu_s(ingress),
             }
             urls = {
                 "direct": [r["url"] for r in rows],
