@@ -322,7 +322,13 @@ def ray_serve(data: Any) -> str:
                 (
                     f"{label} ({labels.get(v, v)})",
                     f"+{x['added_ttft_p50_ms']:.1f} / +{x['added_ttft_p99_ms']:.1f}",
-                    f"{x['cpu_ms_per_request']:.2f}",
+                    f"{x['cpu_ms_per_request']:.2f}"
+                    + (
+                        f" (proxy {x['cpu_ms_per_request_proxy']:.1f}, "
+                        f"ingress {x['cpu_ms_per_request_ingress']:.1f})"
+                        if "cpu_ms_per_request_proxy" in x
+                        else ""
+                    ),
                     f"{d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f}",
                     x["errors"],
                 )
