@@ -299,7 +299,10 @@ class EngineServer:
     async def aclose(self) -> None:
         if self.http is not None:
             self.http.should_exit = True
-            await self.http_task
+            try:
+                await self.http_task
+            except Exception:  # the rest must still close
+                log.exception("the engine's HTTP server of open_http() failed")
             self.http = None
         if self.follower is not None:
             await self.follower.close()

@@ -54,7 +54,8 @@ def pending(args: list[Any]) -> Any:
 
 
 @pytest.fixture
-def router() -> Any:
+async def router() -> Any:
+    """Built inside a running event loop, as Serve builds its routers."""
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID
 
     from deploy.engines.ray_prefix_router import RayPrefixCacheAffinityRouter
@@ -66,7 +67,7 @@ def router() -> Any:
 
 
 @pytest.mark.parametrize(("name", "doc"), WITH_PROMPT, ids=[n for n, _ in WITH_PROMPT])
-def test_text_is_what_ray_reads_from_the_same_request_object(
+async def test_text_is_what_ray_reads_from_the_same_request_object(
     router: Any, name: str, doc: dict[str, Any]
 ) -> None:
     from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
@@ -81,7 +82,7 @@ def test_text_is_what_ray_reads_from_the_same_request_object(
 
 
 @pytest.mark.parametrize(("name", "args"), WITHOUT, ids=[n for n, _ in WITHOUT])
-def test_calls_without_a_prompt_have_no_text_and_are_not_inserted(
+async def test_calls_without_a_prompt_have_no_text_and_are_not_inserted(
     router: Any, name: str, args: list[Any]
 ) -> None:
     from ray.serve._private.common import DeploymentID, ReplicaID
