@@ -182,21 +182,21 @@ class OurRouter(_Process):
 
     def __init__(
         self,
-        fleet: LocalFleet,
+        fleet: LocalFleet | None,
         *,
         policy: str = "prefix_affinity",
         redis_url: str | None = None,
         extra: dict[str, Any] | None = None,
         workers: int = 1,
+        replicas: list[dict[str, Any]] | None = None,
+        tokenizer: str | None = None,
     ) -> None:
+        """In front of `fleet`, or of `replicas` (the router config's rows: id, url, gpu,
+        model, kv_events, kv_replay, kv_topic) with `tokenizer`."""
         super().__init__()
-        self.fleet = fleet
-        self.workers = workers
-        self.config: dict[str, Any] = {
-            "host": "127.0.0.1",
-            "served_model": MODEL,
-            "tokenizer": str(fleet.replicas[0].launch.model_dir),
-            "replicas": [
+        if fleet is not None:
+            tokenizer = str(fleet.replicas[0].launch.model_dir)
+            replicas = [
                 {
                     "id": rep.name,
                     "url": rep.url,
@@ -207,7 +207,15 @@ class OurRouter(_Process):
                     "kv_topic": rep.launch.spec.topic,
                 }
                 for rep in fleet.replicas
-            ],
+            ]
+        assert replicas and tokenizer, "a fleet, or replicas and a tokenizer"
+        self.replicas = replicas
+        self.workers = workers
+        self.config: dict[str, Any] = {
+            "host": "127.0.0.1",
+            "served_model": MODEL,
+            "tokenizer": tokenizer,
+            "replicas": replicas,
             "policy": {"name": policy},
             "redis": {"url": redis_url},
             "telemetry": {"json_logs": True, "log_level": "WARNING"},
@@ -225,8 +233,7 @@ class OurRouter(_Process):
     def ready(self, client: httpx.Client) -> bool:
         resp = client.get(f"{self.url}/ready")
         return bool(
-            resp.status_code == 200
-            and resp.json().get("ready_replicas") == len(self.fleet.replicas)
+            resp.status_code == 200 and resp.json().get("ready_replicas") == len(self.replicas)
         )
 
 

@@ -26,6 +26,7 @@ PLOTS = (
     "routing_ablation.png",
     "demo_load.png",
     "router_overhead.png",
+    "ray_serve.png",
     "live_quality.png",
     "fairness.png",
     "routing_matrix_goodput_rps.png",
@@ -306,6 +307,61 @@ def router_overhead(data: Any) -> str:
     )
 
 
+def ray_serve(data: Any) -> str:
+    labels = {
+        "default": "Serve 2.60 defaults",
+        "throughput_optimized": "`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, proxy kept",
+        "direct_ingress": "`RAY_SERVE_THROUGHPUT_OPTIMIZED=1`, direct ingress (no proxy hop)",
+    }
+    rows = []
+    for v, r in data["variants"].items():
+        d = r["direct"]
+        for t, label in (("serve_path", "Serve path"), ("standalone", "standalone router")):
+            x = r[t]
+            rows.append(
+                (
+                    f"{label} ({labels.get(v, v)})",
+                    f"+{x['added_ttft_p50_ms']:.1f} / +{x['added_ttft_p99_ms']:.1f}",
+                    f"{x['cpu_ms_per_request']:.2f}"
+                    + (
+                        f" (proxy {x['cpu_ms_per_request_proxy']:.1f}, "
+                        f"ingress {x['cpu_ms_per_request_ingress']:.1f})"
+                        if "cpu_ms_per_request_proxy" in x
+                        else ""
+                    ),
+                    f"{d['ttft_p50_ms']:.1f} / {d['ttft_p99_ms']:.1f}",
+                    x["errors"],
+                )
+            )
+    over = md_table(
+        ["path (cluster variant)", "added TTFT p50 / p99 ms", "CPU ms/req",
+         "direct TTFT p50 / p99 ms (same run)", "errors"],
+        rows,
+    )  # fmt: skip
+    names = {
+        "ours": "our RequestRouter (`prefix_affinity`)",
+        "pow2": "Serve's default (`PowerOfTwoChoicesRequestRouter`)",
+        "ray_prefix_cache_affinity": "Ray's `PrefixCacheAffinityRouter`",
+    }
+    q = md_table(
+        ["router", "engine prefix hit rate", "TTFT p50 ms", "TTFT p99 ms"],
+        [
+            (names[k], f"{r['engine_prefix_hit_rate']:.1%}", f"{r['ttft_p50_s'] * 1e3:.1f}",
+             f"{r['ttft_p99_s'] * 1e3:.1f}")
+            for k, r in data["quality"].items()
+        ],
+    )  # fmt: skip
+    load = data["load"]
+    src = data["quality"]["ray_prefix_cache_affinity"]["source"]
+    return (
+        over + f"\n\n{load['rate_rps']:g} streaming req/s, {load['rounds']} rounds of "
+        f"{load['phase_s']:g} s phases per target, engines at speed {load['speed']:g}; "
+        f"`serve_path` in the JSON: the `{data['serve_path']['variant']}` variant.\n\n"
+        + q
+        + f"\n\nRay's router: `{src}` (the ray wheel's class, through the adapter)."
+    )
+
+
 def live_quality(data: Any) -> str:
     rows = []
     for key, label in (
@@ -534,6 +590,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "ablation": ("routing_quality.json", ablation),
     "index": ("index.json", index),
     "router_overhead": ("router_overhead.json", router_overhead),
+    "ray_serve": ("ray_serve.json", ray_serve),
     "live_quality": ("live_quality.json", live_quality),
     "fairness": ("fairness.json", fairness),
     "sim_saturated": ("sim_speed.json", saturated),

@@ -20,6 +20,8 @@ BENCHES = (
     "router_overhead.py",
     "live_quality.py",
     "serve_engines_bench.py",
+    # after serve_engines_bench: it reads out/bench/serve_engines.json for the routers' quality
+    "ray_serve_bench.py",
     "quota_bench.py",
     # after quota_bench: both write out/bench/fairness.json, this one merges into it
     "fairness_bench.py",

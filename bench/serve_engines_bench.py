@@ -13,7 +13,9 @@ Then the cost of our `choose_replicas` alone, in this process against the same R
 hash, index lookup, policy, books, speculative write): what the router adds to each request
 before Serve sends it. A third run uses our router with `least_loaded`: the router's whole path
 without prefix affinity's gathering of each group on the replica that holds its prefix (where
-its requests queue behind each other), to tell the router's cost from the policy's effect.
+its requests queue behind each other), to tell the router's cost from the policy's effect. A
+fourth uses Ray's own `PrefixCacheAffinityRouter` (from the ray wheel, through the adapter in
+deploy/engines/ray_prefix_router.py that hands it our calls' prompt text).
 
     python bench/serve_engines_bench.py            # writes out/bench/serve_engines.json
 """
@@ -157,7 +159,8 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deploy.engines.deployment import policy_router_config
+    from deploy.engines.deployment import policy_router_config, stats_config
+    from deploy.engines.ray_prefix_router import RAY_PREFIX_ROUTER
     from deploy.engines.sim import DEPLOYMENT, SimEngineArgs, sim_engine_app
 
     md = default_model_dir()
@@ -174,6 +177,7 @@ def main() -> None:
                 policy="least_loaded", model=MODEL, tokenizer=str(md), redis_url=redis_server.url
             ),
             "serve_pow2": None,
+            "ray_prefix_cache_affinity": stats_config(request_router_class=RAY_PREFIX_ROUTER),
         }
         decide = asyncio.run(decide_cost(redis_server.url, str(md)))
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -187,7 +191,7 @@ def main() -> None:
             serve.shutdown()  # type: ignore[no-untyped-call]
             ray.shutdown()
     print_table(
-        "Engines on Ray Serve: our RequestRouter vs Serve's default (2 simulated engines)",
+        "Engines on Ray Serve: our RequestRouter vs Serve's and Ray's (2 simulated engines)",
         ["router", "engine prefix hit rate", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 ms"],
         [
             [n, r["engine_prefix_hit_rate"], r["ttft_p50_ms"], r["ttft_p99_ms"], r["e2e_p50_ms"]]

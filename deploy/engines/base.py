@@ -20,7 +20,10 @@ endpoints)`. From there on the replica:
   always that replica's live follower (the endpoints are also announced in the stats, for an
   external `controlplane indexer`);
 - `check_health()` raises when the engine is not healthy (Serve restarts the replica);
-- reports its load time (constructor start to the engine answering), in the stats and its log.
+- reports its load time (constructor start to the engine answering), in the stats and its log;
+- `open_http()`: also serves the same app over HTTP (uvicorn, a free loopback port, in the
+  replica's process and loop), so the very same engine can be called directly or from the
+  standalone router (bench/ray_serve_bench.py compares the paths on one set of engines).
 
 The engine's KV blocks are indexed under the Serve replica's unique id, the id the routers see
 (`RunningReplica.replica_id.unique_id`).
@@ -132,6 +135,8 @@ class EngineServer:
         self.follower: EventIndexer | None = None
         self.kv_events: str | None = None
         self.kv_replay: str | None = None
+        self.http: Any = None  # the uvicorn server of open_http()
+        self.http_task: Any = None
 
     async def _serve(self, app: ASGIApp) -> None:
         """Start the engine app's lifespan (the engine starts with it)."""
@@ -251,11 +256,54 @@ class EngineServer:
 
         return {"replica_id": self.replica_id, "pids": [os.getpid(), *descendants(os.getpid())]}
 
+    async def open_http(self, host: str = "127.0.0.1") -> dict[str, Any]:
+        """Serve the engine's app over HTTP too (idempotent): {replica_id, url, kv_events,
+        kv_replay}. Requests get the lifespan's state, as through `handle`."""
+        import asyncio
+
+        import uvicorn
+
+        from deploy.redis_local import free_port
+
+        assert self.app is not None and self.lifespan is not None, "the engine is not ready"
+        if self.http is None:
+            app, state = self.app, self.lifespan.state
+
+            async def with_state(scope: Any, receive: Any, send: Any) -> None:
+                if scope["type"] == "http":
+                    scope = {**scope, "state": dict(state)}
+                await app(scope, receive, send)
+
+            config = uvicorn.Config(
+                with_state, host=host, port=free_port(), lifespan="off", log_level="warning",
+                access_log=False,
+            )  # fmt: skip
+            self.http = uvicorn.Server(config)
+            self.http_task = asyncio.get_running_loop().create_task(self.http.serve())
+            while not self.http.started:
+                if self.http_task.done():
+                    self.http_task.result()  # raises what failed
+                await asyncio.sleep(0.05)
+        port = self.http.config.port
+        return {
+            "replica_id": self.replica_id,
+            "url": f"http://{host}:{port}",
+            "kv_events": self.kv_events,
+            "kv_replay": self.kv_replay,
+        }
+
     async def check_health(self) -> None:
         if not self._healthy():
             raise RuntimeError(f"{self.engine} engine of replica {self.replica_id} is unhealthy")
 
     async def aclose(self) -> None:
+        if self.http is not None:
+            self.http.should_exit = True
+            try:
+                await self.http_task
+            except Exception:  # the rest must still close
+                log.exception("the engine's HTTP server of open_http() failed")
+            self.http = None
         if self.follower is not None:
             await self.follower.close()
             self.follower = None

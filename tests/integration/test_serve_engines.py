@@ -9,11 +9,14 @@ routes with `PolicyRequestRouter` over that index. Beside it, the same engine as
 aside: error JSON, usage, SSE events. The replicas report their routing stats (engine figures,
 KV-event endpoints, load time) and their blocks reach the shared index. Prompts sharing a prefix
 land on the replica that holds it, for the policy's reason (the `x-cp-decision` header the
-replica returns), and that engine's own prefix-cache counters count the hits.
+replica returns), and that engine's own prefix-cache counters count the hits. Each replica also
+serves its app over HTTP (`open_http`, what bench/ray_serve_bench.py calls the same engines by):
+the table's answers there are the server's too, and its requests count on that very engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from collections.abc import Iterator
@@ -187,6 +190,53 @@ def test_handle_answers_as_the_http_server(stack: Stack, case: Case) -> None:
     if case.stream:  # one SSE event per chunk, as the server writes them
         assert all(c.endswith(b"\n\n") for c in got.chunks)
         assert len(got.chunks) == len(b"".join(got.chunks).split(b"\n\n")) - 1
+
+
+@pytest.fixture(scope="module")
+def engine_urls(stack: Stack) -> dict[str, str]:
+    """Replica id -> the URL of that engine replica's own HTTP server (`open_http`)."""
+    seen: dict[str, str] = {}
+    for _ in range(60):  # these calls land on any replica
+        info = stack.handle.open_http.remote().result()
+        seen[info["replica_id"]] = info["url"]
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"open_http reached {len(seen)} replicas only")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_replica_http_answers_as_the_http_server(
+    stack: Stack, engine_urls: dict[str, str], case: Case
+) -> None:
+    rid = f"http-{case.name.replace(' ', '-')}"
+
+    def uncached(answer: Answer) -> tuple[int, str, str, list[Any]]:
+        # the engines' prefix caches have different histories (the same prompts went to the
+        # server and to some replicas before): the cached-token count is each cache's state
+        out = comparable(answer, case.stream)
+        for doc in out[3]:
+            if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+                doc["usage"].pop("prompt_tokens_details", None)
+        return out
+
+    for url in engine_urls.values():
+        got = via_http(dataclasses.replace(stack, http=url), case.method, case.path, case.body, rid)
+        want = via_http(stack, case.method, case.path, case.body, rid)
+        assert uncached(got) == uncached(want)
+
+
+def test_replica_http_reaches_that_very_engine(stack: Stack, engine_urls: dict[str, str]) -> None:
+    rng = random.Random(5)
+    for replica_id, url in engine_urls.items():
+        before = replica_stats(stack.handle)
+        body = json.dumps({"model": MODEL, "prompt": words(rng, 40), "max_tokens": 2}).encode()
+        answer = via_http(
+            dataclasses.replace(stack, http=url), "POST", "/v1/completions", body, "x"
+        )
+        assert answer.status == 200
+        after = replica_stats(stack.handle)
+        grew = {r for r in after if after[r].prefix_cache_queries > before[r].prefix_cache_queries}
+        assert grew == {replica_id}
 
 
 def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
