@@ -228,8 +228,11 @@ class Exchange:
                     self.failed = True
                     out = sse_error_event(502, str(exc), "upstream_died")
                 except asyncio.CancelledError:
-                    if watch.gone:
-                        raise  # the client left: the section turns this into ClientGone
+                    if watch.gone or sse.done:
+                        # the client left (the section turns this into ClientGone), or it has
+                        # its [DONE] already and its host cancelled the call as it closed (Ray
+                        # Serve does, when the OpenAI SDK hangs up): served, not cut
+                        raise
                     # the shutdown's grace deadline (router/http/shutdown.py): end the stream
                     # with an error event the client can read, then let the cancellation go on
                     self.cut = True
