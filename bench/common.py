@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.progress import BarColumn, ProgressColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -64,6 +65,16 @@ def merge_json(name: str, extra: dict[str, object]) -> Path | None:
     path.write_text(json.dumps(_deep_merge(doc, extra), indent=2))
     console.print(f"merged into {path}")
     return path
+
+
+def phase_columns() -> tuple[ProgressColumn, ...]:
+    """The columns of a bench's progress bar that counts phases."""
+    return (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} phases"),
+        TimeElapsedColumn(),
+    )
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -57,9 +57,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from common import console, out_dir, print_table, save_figure, write_json
+from common import console, out_dir, phase_columns, print_table, save_figure, write_json
 from live_stack import MODEL, OurRouter, Result, cpu_s, new_client, open_loop, quantile
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 from router_overhead import WORDS, cpu_costs
 
 from deploy.redis_local import RedisServer, free_port
@@ -172,12 +172,7 @@ async def measure(
 
     phases: list[tuple[str, int, float, dict[str, float]]] = []
     results: dict[str, list[Result]] = {t: [] for t in urls}
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} phases"),
-        TimeElapsedColumn(),
-    )
+    columns = phase_columns()
     async with new_client() as client:
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task(f"{label}: warm-up", total=len(urls) * (1 + ROUNDS))

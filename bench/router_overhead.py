@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from common import console, out_dir, print_table, save_figure, write_json
+from common import console, out_dir, phase_columns, print_table, save_figure, write_json
 from live_stack import (
     MODEL,
     OurRouter,
@@ -69,7 +69,7 @@ from live_stack import (
     sim_fleet,
     vllm_router_binary,
 )
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress
 
 from deploy.redis_local import RedisServer, available
 from deploy.tiny_model import CORPUS
@@ -207,12 +207,7 @@ async def measure(
     late: dict[str, list[float]] = {t: [] for t in targets}
     ramp: list[dict[str, Any]] = []
     max_rps: dict[str, float] = dict.fromkeys(targets, 0.0)  # 0: not even the first step
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} phases"),
-        TimeElapsedColumn(),
-    )
+    columns = phase_columns()
     async with new_client() as client:
         with Progress(*columns, console=console, transient=True) as progress:
             task = progress.add_task("warm-up", total=phases_total)
