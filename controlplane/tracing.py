@@ -22,7 +22,7 @@ injected (tests use the SDK's in-memory exporter that way).
 from __future__ import annotations
 
 import importlib
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export import (
     SimpleSpanProcessor,
     SpanExporter,
 )
+from pydantic import AfterValidator
 
 from controlplane.errors import ConfigError
 
@@ -55,6 +56,16 @@ def traces_url(endpoint: str) -> str:
     if parts.path in ("", "/"):
         return endpoint.rstrip("/") + TRACES_PATH
     return endpoint
+
+
+def settings_endpoint(value: str | None) -> str | None:
+    """A settings field's OTLP endpoint as its traces URL; "" (an unset chart value) or None:
+    unset, the OTEL_EXPORTER_OTLP_* variables decide."""
+    return traces_url(value) if value else None
+
+
+# the `otlp_endpoint` field of every process's settings
+OtlpEndpoint = Annotated[str | None, AfterValidator(settings_endpoint)]
 
 
 def _otlp_exporter(endpoint: str | None) -> SpanExporter:
@@ -108,4 +119,12 @@ def tracer_of(name: str, provider: trace.TracerProvider | None = None) -> trace.
     return (provider or trace.get_tracer_provider()).get_tracer(name)
 
 
-__all__ = ["TRACES_PATH", "Exporter", "setup_tracing", "tracer_of", "traces_url"]
+__all__ = [
+    "TRACES_PATH",
+    "Exporter",
+    "OtlpEndpoint",
+    "settings_endpoint",
+    "setup_tracing",
+    "tracer_of",
+    "traces_url",
+]

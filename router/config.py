@@ -41,7 +41,7 @@ from pydantic_settings import (
 from controlplane.errors import ConfigError, ReplicaRefusedError
 from controlplane.routing.config import PolicyConfig, Section
 from controlplane.tenancy.config import FairnessConfig
-from controlplane.tracing import traces_url
+from controlplane.tracing import Exporter, OtlpEndpoint
 from router.fleet.discovery.kubernetes import KubernetesDiscoveryConfig
 from router.fleet.urls import DEFAULT_ALLOWED_NETWORKS, ReplicaGuard, Resolver, check_replica_id
 
@@ -438,13 +438,13 @@ class TelemetryConfig(Section):
     )
     json_logs: bool = Field(default=True, description="One JSON object per log line.")
     log_level: str = Field(default="INFO", description="Python log level of the router.")
-    otel_exporter: Literal["none", "console", "otlp"] = Field(
+    otel_exporter: Exporter = Field(
         default="none",
         description="Where OpenTelemetry spans go: none (off), console (stdout) or otlp "
         "(OTLP/HTTP protobuf to otlp_endpoint; headers, TLS and timeouts from the standard "
         "OTEL_EXPORTER_OTLP_* variables).",
     )
-    otlp_endpoint: str | None = Field(
+    otlp_endpoint: OtlpEndpoint = Field(
         default=None,
         description="The collector's OTLP/HTTP traces URL for otel_exporter=otlp, e.g. "
         "http://otel-collector:4318/v1/traces (a URL without a path gets /v1/traces); None: "
@@ -455,11 +455,6 @@ class TelemetryConfig(Section):
         min_length=1,
         description="The spans' service.name resource attribute.",
     )
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        return traces_url(v) if v else None  # "" (an unset chart value): the OTEL_* variables
 
     metrics_port: int | None = Field(
         default=None,

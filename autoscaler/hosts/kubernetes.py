@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import Field, field_validator
+from pydantic import Field
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -54,7 +54,7 @@ from autoscaler.hosts.router_drainer import DrainerSettings, RouterDrainer
 from autoscaler.types import ScaleDecision, ScalingPolicy
 from autoscaler.victims import Drainer, NoDrainer
 from controlplane.errors import ConfigError, KubernetesApiError
-from controlplane.tracing import Exporter, setup_tracing, traces_url
+from controlplane.tracing import Exporter, OtlpEndpoint, setup_tracing
 
 log = logging.getLogger("controlplane.autoscaler.kubernetes")
 
@@ -69,7 +69,7 @@ class HostSettings(AutoscalerSettings, ScalerSettings, DrainerSettings):
         description="Where the decision spans (cp.autoscaler.decide) go: none (off), console "
         "(stdout) or otlp (OTLP/HTTP to otlp_endpoint; OTEL_EXPORTER_OTLP_* for the rest).",
     )
-    otlp_endpoint: str | None = Field(
+    otlp_endpoint: OtlpEndpoint = Field(
         default=None,
         description="The collector's OTLP/HTTP traces URL for otel_exporter=otlp (a URL without "
         "a path gets /v1/traces); None: the OTEL_EXPORTER_OTLP_* variables decide.",
@@ -79,11 +79,6 @@ class HostSettings(AutoscalerSettings, ScalerSettings, DrainerSettings):
         min_length=1,
         description="The spans' service.name resource attribute.",
     )
-
-    @field_validator("otlp_endpoint")
-    @classmethod
-    def _endpoint(cls, v: str | None) -> str | None:
-        return traces_url(v) if v else None  # "" (an unset chart value): the OTEL_* variables
 
 
 class ObserveOnly:
