@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -29,9 +29,8 @@ _POLL_S = 0.05
 _PR_SET_PDEATHSIG = 1
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Pids of the live (non-zombie) processes in process group `pgid` (Linux /proc)."""
-    pids: list[int] = []
+def _live_processes() -> Iterator[tuple[int, int, int]]:
+    """(pid, ppid, pgrp) of every live (non-zombie) process (Linux /proc)."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -41,9 +40,13 @@ def group_pids(pgid: int) -> list[int]:
             continue
         # the fields after the parenthesised command: state ppid pgrp ...
         fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            pids.append(int(entry.name))
-    return pids
+        if fields[0] not in ("Z", "X"):
+            yield int(entry.name), int(fields[1]), int(fields[2])
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes in process group `pgid` (Linux /proc)."""
+    return [pid for pid, _, pgrp in _live_processes() if pgrp == pgid]
 
 
 def group_alive(pgid: int) -> bool:
@@ -60,16 +63,8 @@ def group_alive(pgid: int) -> bool:
 def descendants(pid: int) -> list[int]:
     """Pids of the live processes below `pid` (children, theirs, ...; Linux /proc)."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] not in ("Z", "X"):
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    for child, parent, _ in _live_processes():
+        children.setdefault(parent, []).append(child)
     out: list[int] = []
     todo = list(children.get(pid, []))
     while todo:
