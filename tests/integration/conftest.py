@@ -1,5 +1,5 @@
-"""Fixtures for integration tests: the tiny model directory (once per session), a private
-redis-server per test, and store factories.
+"""Fixtures for integration tests: the tiny model directory (once per session), a fake
+Kubernetes API server, a private redis-server per test, and store factories.
 
 `redis_server` starts a throwaway server (free loopback port, no persistence, temp dir; never
 6379) and on teardown asserts the process is gone. `make_index` (`RedisPrefixIndex`es) and
@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import redis
+from fake_kube import FakeKube
 from redis_server import RedisServer, available
 
 from controlplane.prefix.redis_index import RedisPrefixIndex
@@ -33,6 +34,17 @@ QUOTA_CLIENT_NAME = "cp-test-quota"
 def model_dir() -> Path:
     """The tiny model in its default directory (`.cache/tiny-llama`), made once per session."""
     return ensure_tiny_model()
+
+
+@pytest.fixture
+async def kube() -> AsyncIterator[FakeKube]:
+    """A fake Kubernetes API server (tests/integration/fake_kube.py) on a free port."""
+    server = FakeKube()
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,16 +67,6 @@ def redis_server() -> Iterator[RedisServer]:
     finally:
         server.close()
         assert pid is None or not group_alive(pid), "redis-server left running"
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    kube = FakeKube()
-    await kube.start()
-    try:
-        yield kube
-    finally:
-        await kube.stop()
 
 
 def local_values(server: RedisServer, sims: dict[str, SimReplica], model_dir: Path) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -80,16 +80,6 @@ class KnownLoad:
 
     async def wait_drained(self, ids: Sequence[str], timeout: float) -> bool:
         return True
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    kube = FakeKube()
-    await kube.start()
-    try:
-        yield kube
-    finally:
-        await kube.stop()
 
 
 @pytest.fixture(scope="module")

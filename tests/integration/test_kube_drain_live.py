@@ -17,7 +17,7 @@ import asyncio
 import json
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +61,6 @@ def sims(model_dir: Path) -> Iterator[list[SimReplica]]:
         SimReplica(*sim_args(model_dir)) as c,
     ):
         yield [a, b, c]
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    kube = FakeKube()
-    await kube.start()
-    yield kube
-    await kube.stop()
 
 
 def shared(model_dir: Path, redis_url: str, replicas: list[dict[str, Any]]) -> Any:

@@ -9,10 +9,9 @@ StatefulSet: its top ordinals are drained, then the scale PATCH; no pod is annot
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import pytest
 from fake_kube import NS, FakeKube
 
 from autoscaler.hosts import FleetObservation
@@ -48,14 +47,6 @@ class FakeDrainer:
         self.waiting.set()
         await self.release.wait()
         return self.drained_in_time
-
-
-@pytest.fixture
-async def kube() -> AsyncIterator[FakeKube]:
-    kube = FakeKube()
-    await kube.start()
-    yield kube
-    await kube.stop()
 
 
 def scaler_for(kube: FakeKube, drainer: FakeDrainer, **target: str) -> KubernetesScaler:
