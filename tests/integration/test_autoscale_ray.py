@@ -45,10 +45,6 @@ from autoscaler.hosts.ray_serve import (
 from autoscaler.types import ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
 
 pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
     # the push interval is only configurable through this deprecated field in 2.60
     pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning"),
 ]

@@ -426,9 +426,6 @@ def test_notes_name_objects_the_release_has(
     assert f"port-forward svc/{RELEASE}-controlplane-router" in notes
 
 
-@pytest.mark.filterwarnings(  # Ray 2.60's own pydantic use, on import
-    "ignore:Using extra keyword arguments on `Field`:DeprecationWarning:ray.serve._private.config"
-)
 @pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning")
 def test_the_ray_applications_serve_build_output_is_the_rayservice_config(chart: ChartCopy) -> None:
     """deploy/ray/serve_config_v2.yaml (`serve build` of the Ray application, kept current by

@@ -34,15 +34,6 @@ from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.config import RouterSettings
 from router.telemetry import parse_decision_header
 
-pytestmark = [
-    # Ray Serve 2.60's own pydantic models warn when `ray.serve` is first imported (pydantic 2.x
-    # deprecates their extra `Field` keywords); nothing else is filtered
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
-]
-
 ROUTER_HEADER = "x-cp-router"
 INDEXER_DEPLOYMENT = "kv_indexer"
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "serve_config.yaml"

@@ -34,10 +34,6 @@ from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = [
     pytest.mark.timeout(300),
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
     pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning"),
 ]
 

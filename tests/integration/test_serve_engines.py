@@ -44,11 +44,6 @@ from deploy.tiny_model import default_model_dir, make_tiny_model
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.timeout(300),
-    # Ray Serve 2.60's own pydantic models warn when `ray.serve` is first imported
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
 ]
 
 MODEL = "tiny-llama"

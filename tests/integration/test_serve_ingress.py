@@ -43,10 +43,6 @@ from router.config import load_settings
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.timeout(300),
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
 ]
 
 MODEL = "tiny-llama"

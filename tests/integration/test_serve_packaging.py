@@ -36,10 +36,6 @@ from redis_server import free_port
 from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
     pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning"),
 ]
 

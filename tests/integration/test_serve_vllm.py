@@ -42,10 +42,6 @@ pytestmark = [
     pytest.mark.redis,
     pytest.mark.timeout(900),
     pytest.mark.skipif(_MISSING is not None, reason=_MISSING or ""),
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
 ]
 
 KEY_PREFIX = "t:vllm-engines"

@@ -39,10 +39,6 @@ from autoscaler.types import ScaleContext, ScaleDecision, ScaleReason, ScalingPo
 from controlplane.errors import ConfigError
 
 pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
     pytest.mark.filterwarnings("ignore:The `metrics_interval_s` field:DeprecationWarning"),
 ]
 

@@ -16,10 +16,6 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Using extra keyword arguments on `Field`:DeprecationWarning:ray.serve._private.config"
-)
-
 CHAT_PARTS = [{"role": "user", "content": [{"type": "text", "text": "part one "}, {"text": "two"}]}]
 WITH_PROMPT: list[tuple[str, dict[str, Any]]] = [
     (

@@ -19,13 +19,6 @@ from router.serve.ingress import check_settings
 from router.serve.links import MAX_DECISIONS, Links
 from router.serve.upstream import HandlePool
 
-pytestmark = [
-    pytest.mark.filterwarnings(
-        "ignore:Using extra keyword arguments on `Field`"
-        ":DeprecationWarning:ray.serve._private.config"
-    ),
-]
-
 
 @pytest.mark.parametrize(
     ("values", "error"),

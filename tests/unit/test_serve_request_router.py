@@ -21,10 +21,6 @@ import pytest
 from controlplane.types import DecisionReason
 from router.serve.stats import EngineStats
 
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:Using extra keyword arguments on `Field`:DeprecationWarning:ray.serve._private.config"
-)
-
 MODEL = "tiny-llama"
 PROMPT = "the same long shared prefix " * 20
 
