@@ -41,7 +41,6 @@ from autoscaler.controller import AutoscalerSettings, Controller, RouterScraper,
 from autoscaler.hosts.kubernetes import ObserveOnly
 from autoscaler.types import ScaleReason
 from controlplane.types import DecisionReason
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.config import ReplicaConfig
 from router.status.scale_log import ScaleLog
 
@@ -75,9 +74,7 @@ def _closed_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
-    model_dir = default_model_dir()
-    make_tiny_model(model_dir)
+def live(model_dir: Path) -> Iterator[Live]:
     from controlplane.tenancy.identity import key_digest
 
     tenants = [

@@ -13,6 +13,7 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,16 +21,12 @@ from router_fixtures import MODEL, replica_entry, router_settings, sim_args, wai
 from router_harness import RouterServer
 from sim_fleet import SimReplica
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
-
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture(scope="module")
-def sim() -> Iterator[SimReplica]:
-    md = default_model_dir()
-    make_tiny_model(md)
-    with SimReplica(*sim_args(md, speed=1.0)) as replica:
+def sim(model_dir: Path) -> Iterator[SimReplica]:
+    with SimReplica(*sim_args(model_dir, speed=1.0)) as replica:
         yield replica
 
 
@@ -49,9 +46,9 @@ def _refused(url: str) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_drain_then_refuse_then_cut_at_the_grace_deadline(sim: SimReplica) -> None:
+def test_drain_then_refuse_then_cut_at_the_grace_deadline(sim: SimReplica, model_dir: Path) -> None:
     settings = router_settings(
-        default_model_dir(),
+        model_dir,
         [replica_entry("a", sim)],
         shutdown={"drain_s": 1.5, "grace_s": 1.0},
     )

@@ -21,6 +21,7 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,8 +39,6 @@ from serve_engines import (
     words,
 )
 from sim_fleet import SimReplica
-
-from deploy.tiny_model import default_model_dir, make_tiny_model
 
 pytestmark = [
     pytest.mark.redis,
@@ -60,17 +59,18 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def stack(model_dir: Path) -> Iterator[Stack]:
     if not available():
         pytest.skip("redis-server is not installed")
     from deploy.engines.deployment import policy_router_config
     from deploy.engines.sim import DEPLOYMENT, SimEngineArgs, sim_engine_app
 
-    md = default_model_dir()
-    make_tiny_model(md)
-    with RedisServer() as server, SimReplica("--model-dir", str(md), "--speed", str(SPEED)) as sim:
+    with (
+        RedisServer() as server,
+        SimReplica("--model-dir", str(model_dir), "--speed", str(SPEED)) as sim,
+    ):
         args = SimEngineArgs(
-            model_dir=str(md),
+            model_dir=str(model_dir),
             speed=SPEED,
             load_time_s=LOAD_TIME_S,
             redis_url=server.url,
@@ -79,7 +79,7 @@ def stack() -> Iterator[Stack]:
         router = policy_router_config(
             policy="prefix_affinity",
             model=MODEL,
-            tokenizer=str(md),
+            tokenizer=str(model_dir),
             redis_url=server.url,
             key_prefix=KEY_PREFIX,
             # a loaded test machine must not turn a lookup into "unknown" (routed by load)
@@ -260,8 +260,6 @@ def test_replicas_report_stats_and_index_their_blocks(stack: Stack) -> None:
     assert all(len(r) == 1 and r[0]["lost"] == 0 for r in rows)
 
 
-def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack) -> None:
-    predicted = check_prefix_affinity(
-        stack.handle, stack.redis, KEY_PREFIX, MODEL, str(default_model_dir())
-    )
+def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack, model_dir: Path) -> None:
+    predicted = check_prefix_affinity(stack.handle, stack.redis, KEY_PREFIX, MODEL, str(model_dir))
     assert predicted

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,7 +26,6 @@ from redis_server import RedisServer, available
 from serve_engines import call, chat, check_prefix_affinity, local_serve, replica_stats
 from vllm_fleet import MODEL_NAME, vllm_missing_reason
 
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from deploy.vllm_ray_env import read_ray_stamp
 
 
@@ -54,7 +54,7 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def stack(model_dir: Path) -> Iterator[Stack]:
     if not available():
         pytest.skip("redis-server is not installed")
     from deploy.engines.deployment import policy_router_config
@@ -62,14 +62,12 @@ def stack() -> Iterator[Stack]:
 
     env = read_ray_stamp()
     assert env is not None
-    md = default_model_dir()
-    make_tiny_model(md)
     with RedisServer() as server:
-        args = VllmEngineArgs(model_dir=str(md), redis_url=server.url, key_prefix=KEY_PREFIX)
+        args = VllmEngineArgs(model_dir=str(model_dir), redis_url=server.url, key_prefix=KEY_PREFIX)
         router = policy_router_config(
             policy="prefix_affinity",
             model=MODEL_NAME,
-            tokenizer=str(md),
+            tokenizer=str(model_dir),
             redis_url=server.url,
             key_prefix=KEY_PREFIX,
             # a loaded test machine must not turn a lookup into "unknown" (routed by load)
@@ -108,13 +106,13 @@ def test_replicas_are_vllm_and_report_their_load(stack: Stack) -> None:
     assert json.loads(b"".join(bad.chunks))["error"]["code"] == 404
 
 
-def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack) -> None:
+def test_shared_prefix_lands_on_the_replica_holding_it(stack: Stack, model_dir: Path) -> None:
     predicted = check_prefix_affinity(
         stack.handle,
         stack.redis,
         KEY_PREFIX,
         MODEL_NAME,
-        str(default_model_dir()),
+        str(model_dir),
         prefixes=2,
         followups=3,
     )

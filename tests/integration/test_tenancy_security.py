@@ -19,6 +19,7 @@ import io
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -35,7 +36,6 @@ from controlplane.tenancy.model import Tenant
 from controlplane.tenancy.salts import tenant_salt
 from controlplane.tokenization import LocalTokenizer
 from controlplane.types import RoutingRequest
-from deploy.tiny_model import default_model_dir, make_tiny_model
 from router.http.openai_api import ChatCompletionRequest
 from router.telemetry import parse_decision_header
 from router.telemetry.logs import configure_logging
@@ -71,11 +71,9 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live() -> Iterator[Live]:
+def live(model_dir: Path) -> Iterator[Live]:
     if not available():
         pytest.skip("redis-server is not installed")
-    model_dir = default_model_dir()
-    make_tiny_model(model_dir)
     root = logging.getLogger()
     level, httpx_level = root.level, logging.getLogger("httpx").level
     logs = io.StringIO()
@@ -238,8 +236,8 @@ def test_a_prefix_is_an_index_hit_for_its_tenant_only(live: Live) -> None:
     assert cached(b) == 0
 
 
-def test_no_prompt_text_in_redis_or_logs(live: Live) -> None:
-    tok = LocalTokenizer.from_path(default_model_dir())
+def test_no_prompt_text_in_redis_or_logs(live: Live, model_dir: Path) -> None:
+    tok = LocalTokenizer.from_path(model_dir)
     sent = 0
     for i, canary in enumerate(CANARIES):
         key = (KA, KB)[i % 2]
