@@ -58,6 +58,23 @@ def run_trace(name: str, segment_s: float, warmup_s: float, seed: int = 0) -> Or
     )
 
 
+def rate_window(res: OracleResult) -> int:
+    """The rate-only planner's window, in segments either side: its rate is averaged over
+    about one load time."""
+    return round(res.load_time_s / res.segment_s / 2)
+
+
+def rated_point(res: OracleResult, tolerance: int = 0) -> OraclePoint | None:
+    """The rate-only planner's cheapest schedule with at most `tolerance` late requests in any
+    segment; None unless the segments are shorter than a load time (a longer segment's own
+    rate holds its bursts, which are the luck)."""
+    if res.segment_s >= res.load_time_s:
+        return None
+    return rate_only(
+        res.curves, rate_window(res), res.segment_s, res.load_time_s, res.tp, tolerance=tolerance
+    )
+
+
 def policy_figures(path: Path) -> dict[str, dict[str, dict[str, float]]]:
     """Per trace, per policy: (late requests, GPU-hours) from a backtest JSON, if present."""
     if not path.exists():
@@ -131,17 +148,9 @@ def main() -> None:
                     pol["gpu_hours"] if pol else "",
                 ]
             )
-        # the planner that knows the rate (averaged over a load time) but not the luck: none
-        # late, and at most one late request in any segment. Only with segments shorter than a
-        # load time: a longer segment's own rate holds its bursts, which are the luck
-        window = round(res.load_time_s / res.segment_s / 2)
-        rated_runs = {
-            tol: rate_only(
-                res.curves, window, res.segment_s, res.load_time_s, res.tp, tolerance=tol
-            )
-            for tol in (0, 1)
-            if res.segment_s < res.load_time_s
-        }
+        # the planner that knows the rate but not the luck: none late, and at most one late
+        # request in any segment
+        rated_runs = {tol: point for tol in (0, 1) if (point := rated_point(res, tol)) is not None}
         if 0 in rated_runs:
             rated_points[name] = rated_runs[0]
         for tol, point in rated_runs.items():
@@ -159,7 +168,7 @@ def main() -> None:
         entry["policies"] = figs
         entry["rate_only"] = [
             {
-                "window_segments": window,
+                "window_segments": rate_window(res),
                 "tolerance_per_segment": tol,
                 "gpu_hours": point.gpu_hours,
                 "late": point.late,
@@ -188,11 +197,8 @@ def _rate_only_one(trace: str, seed: int, warmup_s: float) -> float | None:
     """The rate-only planner's none-late GPU-hours on one draw of a trace (None: its segments
     are not shorter than a load time, so the rate holds the bursts)."""
     segment = SEGMENT_S.get(trace, 60.0)
-    res = run_trace(trace, segment, warmup_s, seed)
-    if res.segment_s >= res.load_time_s:
-        return None
-    window = round(res.load_time_s / res.segment_s / 2)
-    return rate_only(res.curves, window, res.segment_s, res.load_time_s, res.tp).gpu_hours
+    point = rated_point(run_trace(trace, segment, warmup_s, seed))
+    return None if point is None else point.gpu_hours
 
 
 def rate_only_seeds(
