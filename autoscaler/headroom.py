@@ -137,6 +137,8 @@ class HeadroomState:
     prefill_mean_s: float = 0.0  # last seen prefill moments (0: none yet)
     prefill_scv: float = 1.0
     burst_w: tuple[float, ...] = ()  # prefill-work-weighted histogram of prefill burst ratios
+    # burst_quantile(burst_w, cfg.burst_quantile), kept with burst_w (1.0: that of no bursts)
+    burst_q: float = 1.0
     # ticks awaiting judgement: (t, prefill rate, prefill work, its recent mean then)
     burst_pending: tuple[tuple[float, float, float, float], ...] = ()
     # EW means of the arrived prefill and total work rates (their ratio: the prefill share)
@@ -200,11 +202,14 @@ class HeadroomPolicy:
         # an excursion far beyond the bursts the fleet already carries (surge_burst_mult x the
         # burst factor, at least surge_min_ratio x the level) is a new level once it has lasted
         # surge_confirm_s, not a burst to wait out for shift_confirm_s
-        prev_burst = burst_quantile(state.burst_w, cfg.burst_quantile)
+        # (the burst factor before this tick: state.burst_q is exactly the quantile of
+        # state.burst_w, computed when that histogram was stored; this tick's decay is applied
+        # to it later, in _bursts, so no reliance on a quantile's scale invariance, which float
+        # rounding would only approximate)
         fcfg = replace(
             cfg.forecast,
             horizon_s=lead,
-            surge_ratio=max(cfg.surge_min_ratio, cfg.surge_burst_mult * prev_burst),
+            surge_ratio=max(cfg.surge_min_ratio, cfg.surge_burst_mult * state.burst_q),
         )
         share = state.prefill_ew / state.work_ew if state.work_ew > 0 else -1.0
         prefill_rate = s.prefill_work_s / s.interval_s
@@ -308,6 +313,7 @@ class HeadroomPolicy:
             prefill_mean_s=pm,
             prefill_scv=scv,
             burst_w=burst_w,
+            burst_q=burst,
             burst_pending=pending,
             prefill_ew=p_ew,
             work_ew=t_ew,
