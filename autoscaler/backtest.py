@@ -58,6 +58,7 @@ from autoscaler.baselines import (
     static_peak_replicas,
 )
 from autoscaler.capacity import SloCapacity
+from autoscaler.demand import DemandMeter
 from autoscaler.hosts.sim import AutoscaleConfig, AutoscaleRun, run_autoscaled
 from autoscaler.types import DemandSample, FleetCounts, ScaleContext, ScalingPolicy
 from controlplane.errors import ConfigError
@@ -205,34 +206,23 @@ def arrival_samples(
     trace: Trace, cap: SloCapacity, tick_s: float, offset_s: float
 ) -> list[DemandSample]:
     """The demand samples a router would measure every `tick_s` from `trace`'s arrivals alone
-    (work priced with the actual output; no backlog), timestamped `offset_s` later."""
+    (work priced with the actual output; no backlog), timestamped `offset_s` later: the
+    arrivals fed through the router's own `DemandMeter`."""
     if not trace.requests:
         return []
     t0 = trace.requests[0].arrival_s
     ticks = max(1, math.ceil((trace.requests[-1].arrival_s - t0) / tick_s))
-    acc = [[0, 0.0, 0.0, 0.0] for _ in range(ticks)]
-    for r in trace.requests:
-        a = acc[min(ticks - 1, int((r.arrival_s - t0) // tick_s))]
-        p = cap.prefill_work(r.prompt_tokens)
-        a[0] += 1
-        a[1] += p
-        a[2] += cap.decode_work(max(1, r.output_tokens), r.prompt_tokens)
-        a[3] += p * p
-    out = []
-    for k, (n, pre, dec, sq) in enumerate(acc):
-        mean = pre / n if n else 0.0
-        scv = (sq / n - mean * mean) / (mean * mean) if n > 1 and mean > 0 else 1.0
-        out.append(
-            DemandSample(
-                t_s=offset_s + (k + 1) * tick_s,
-                interval_s=tick_s,
-                arrivals=int(n),
-                prefill_work_s=pre,
-                decode_work_s=dec,
-                prefill_mean_s=mean,
-                prefill_scv=max(0.0, scv),
-            )
-        )
+    meter = DemandMeter(cap, start_s=offset_s, peak_windows=(tick_s,))
+    out: list[DemandSample] = []
+    for i, r in enumerate(trace.requests):
+        k = min(ticks - 1, int((r.arrival_s - t0) // tick_s))
+        while len(out) < k:
+            out.append(meter.sample(offset_s + (len(out) + 1) * tick_s))
+        now = min(offset_s + r.arrival_s - t0, offset_s + (k + 1) * tick_s)
+        meter.arrived(str(i), r.prompt_tokens, r.output_tokens, now)
+        meter.finished(str(i), now)
+    while len(out) < ticks:
+        out.append(meter.sample(offset_s + (len(out) + 1) * tick_s))
     return out
 
 

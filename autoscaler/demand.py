@@ -23,6 +23,13 @@ simulator's routers):
 - `prefill_mean_s`, `prefill_scv`: mean and squared coefficient of variation of the arrivals'
   prefill work, the M/G/1 inputs of the utilization target.
 - `ttft_p99_s`: p99 of the TTFTs observed in the interval (-1 when none).
+- `prefill_peaks`: the same prefill work measured on sliding windows. For each window length
+  `w` in the meter's `peak_windows` (default `PEAK_WINDOWS_S`, the usual decision ticks), the
+  most prefill work that arrived within any `w` seconds ending at an arrival of the interval
+  (windows reach back into the previous interval) and the requests that brought it. A tick's
+  own total depends on where the tick boundaries fall: a 2-s spike of hundreds of requests is
+  whole in one tick and halved in two on the next repetition; the sliding window sees it whole
+  every time.
 
 Prefix-cache hits are not known at arrival; the meter prices whole prompts, so demand errs on the
 side of capacity. The meter is plain mutable bookkeeping, O(1) per event; the policies that read
@@ -31,12 +38,40 @@ its samples are pure.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from autoscaler.capacity import SloCapacity
 from autoscaler.types import DemandSample
+
+PEAK_WINDOWS_S: tuple[float, ...] = (5.0, 10.0, 15.0, 30.0)
+
+
+class _PeakWindow:
+    """Sliding sum of the prefill work that arrived in the last `w` seconds, and its largest
+    value (with the request count) since the last reset. O(1) amortized per arrival."""
+
+    __slots__ = ("best", "best_n", "events", "sum", "w")
+
+    def __init__(self, w: float) -> None:
+        self.w = w
+        self.events: deque[tuple[float, float]] = deque()
+        self.sum = 0.0
+        self.best = 0.0
+        self.best_n = 0
+
+    def add(self, now: float, work: float) -> None:
+        ev = self.events
+        ev.append((now, work))
+        self.sum += work
+        while ev and ev[0][0] <= now - self.w:
+            self.sum -= ev.popleft()[1]
+        if not ev:
+            self.sum = 0.0
+        if self.sum > self.best:
+            self.best, self.best_n = self.sum, len(ev)
 
 
 @dataclass(slots=True)
@@ -49,7 +84,13 @@ class _Open:
 class DemandMeter:
     """Router-side demand bookkeeping for one model."""
 
-    def __init__(self, capacity: SloCapacity, *, start_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        capacity: SloCapacity,
+        *,
+        start_s: float = 0.0,
+        peak_windows: tuple[float, ...] = PEAK_WINDOWS_S,
+    ) -> None:
         self.capacity = capacity
         self._open: dict[str, _Open] = {}
         self._backlog_work = 0.0
@@ -57,6 +98,7 @@ class DemandMeter:
         self._t0 = start_s
         self._last_event = start_s
         self._area = 0.0  # integral of the in-flight count since _t0
+        self._peaks = [_PeakWindow(w) for w in peak_windows if w > 0]
         self._reset()
 
     def _reset(self) -> None:
@@ -65,6 +107,8 @@ class DemandMeter:
         self._decode = 0.0
         self._prefill_sq = 0.0
         self._ttfts: list[float] = []
+        for pw in self._peaks:
+            pw.best, pw.best_n = 0.0, 0
 
     def _advance(self, now: float) -> None:
         if now > self._last_event:
@@ -86,6 +130,8 @@ class DemandMeter:
         self._prefill += prefill
         self._decode += decode
         self._prefill_sq += prefill * prefill
+        for pw in self._peaks:
+            pw.add(now, prefill)
         self._open[request_id] = _Open(now, prefill + decode)
         self._backlog_work += prefill + decode
         self._backlog_n += 1
@@ -153,6 +199,7 @@ class DemandMeter:
             prefill_scv=scv,
             gpu_util=gpu_util,
             ttft_p99_s=ttft_p99,
+            prefill_peaks=tuple((pw.w, pw.best, pw.best_n) for pw in self._peaks if pw.best_n),
         )
         self._t0 = now
         self._area = 0.0
@@ -160,4 +207,4 @@ class DemandMeter:
         return sample
 
 
-__all__ = ["DemandMeter"]
+__all__ = ["PEAK_WINDOWS_S", "DemandMeter"]

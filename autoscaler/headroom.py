@@ -27,9 +27,11 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
      prefill moments, `SloCapacity.utilization_target`), with `n` the fleet size the need
      itself implies (a few fixed-point steps from the current size).
    - Bursts shorter than the lead time cannot be scaled for; they are carried as headroom.
-     `F_q` is the `burst_quantile` of this tick's prefill rate over its recent mean (EW,
-     `burst_memory_s / 6`), weighted by prefill work (so it is a quantile over the requests
-     that meet the fleet) and remembered over `burst_memory_s` in a log-binned histogram. Only
+     `F_q` is the `burst_quantile` of this tick's prefill rate (its sharpest sliding window
+     of one tick, `burst_rate`, so a spike cut by a tick boundary counts whole) over its
+     recent mean (EW, `burst_memory_s / 6`), weighted by prefill work (so it is a quantile
+     over the requests that meet the fleet) and remembered over `burst_memory_s` in a
+     log-binned histogram. Only
      the prefill share `phi` of the work is bursty at the TTFT time scale (decode work is
      spread over the outputs' lifetimes), and a tick's burst may outrun the fleet as long as
      its backlog drains within the TTFT waiting budget `b = ttft_slo - E[prefill]`.
@@ -72,7 +74,7 @@ from autoscaler.forecast import (
     sigma_at_horizon,
     upside_sigma_at_horizon,
 )
-from autoscaler.types import ScaleContext, ScaleDecision, ScaleReason
+from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason
 
 _EPS = 1e-9
 
@@ -109,9 +111,11 @@ class HeadroomConfig:
     default_prefill_mean_s: float = 0.1
     default_prefill_scv: float = 1.0
     # bursts shorter than the lead time: the work-weighted `burst_quantile` of the tick rate
-    # over the forecast level, remembered over `burst_memory_s`; the fleet keeps that multiple
-    # of the level at `burst_utilization`
-    burst_quantile: float = 0.999
+    # (its sharpest one-tick window, `burst_rate`) over the forecast level, remembered over
+    # `burst_memory_s`. 0.999 was set when the tick's own total was measured, which halves a
+    # spike cut by a tick boundary; on the sliding window 0.995 keeps every Azure draw >= 99%
+    # (docs/autoscaling.md)
+    burst_quantile: float = 0.995
     surge_min_ratio: float = 3.0
     surge_burst_mult: float = 1.5
     burst_memory_s: float = 3600.0
@@ -152,6 +156,24 @@ def staffed(rate: float, sigma: float, rho: float, z: float, beta: float) -> flo
     """Replicas for a forecast `rate` with error `sigma`: `(R + sqrt(b^2 R + (z s)^2)) / rho`."""
     r = max(0.0, rate)
     return (r + math.sqrt(beta * beta * r + (z * sigma) ** 2)) / rho
+
+
+def burst_rate(sample: DemandSample, tick_s: float, budget_s: float) -> float:
+    """The tick's prefill rate as the burst memory records it: the larger of the interval's
+    mean rate and its sharpest window of one tick (the sample's shortest `prefill_peaks`
+    window at least `tick_s` long), so a spike counts whole whichever way the tick boundaries
+    cut it. A window of `W` work from `n` requests drains within the waiting budget `b` on
+    `min(n, W / (w + b))` replicas (a request runs on one replica), the rate
+    `min(n, W / (w + b)) * (w + b) / w`. Without peaks (a host that cannot see arrivals):
+    the mean rate."""
+    if sample.interval_s <= 0:
+        return 0.0
+    rate = sample.prefill_work_s / sample.interval_s
+    fits = [p for p in sample.prefill_peaks if p[0] >= tick_s - 1e-6]
+    if fits:
+        w, work, n = min(fits)
+        rate = max(rate, min(float(n), work / (w + budget_s)) * (w + budget_s) / w)
+    return rate
 
 
 def _window_max(
@@ -220,13 +242,14 @@ class HeadroomPolicy:
         t_ew = state.work_ew + w * (s.rate - state.work_ew)
         phi = p_ew / t_ew if t_ew > 0 else 1.0
         fst = observe(fcfg, state.forecast, s.t_s, s.rate)
-        burst_w, pending = self._bursts(
-            fcfg, state, fst, s.t_s, prefill_rate, s.prefill_work_s, share
-        )
         pm, scv = state.prefill_mean_s, state.prefill_scv
         if s.arrivals > 0 and s.prefill_mean_s > 0:
             pm, scv = s.prefill_mean_s, s.prefill_scv
         pm_, scv_ = (pm, scv) if pm > 0 else (cfg.default_prefill_mean_s, cfg.default_prefill_scv)
+        # the TTFT waiting budget: how long a burst's backlog may take to drain
+        budget = max(0.0, cfg.capacity.ttft_slo_s - pm_)
+        spike = burst_rate(s, ctx.tick_s, budget)
+        burst_w, pending = self._bursts(fcfg, state, fst, s.t_s, spike, s.prefill_work_s, share)
         sigma = upside_sigma_at_horizon(fcfg, fst)
         pk = peak(fcfg, fst, lead, cfg.peak_steps)
         level = current_level(fcfg, fst)
@@ -235,7 +258,7 @@ class HeadroomPolicy:
         need_rate, rho = self._rate_need(pk, sigma, pm_, scv_, current)
         # a tick's burst may outrun the fleet as long as its backlog drains within the TTFT
         # waiting budget b: capacity >= burst rate * tick / (tick + b)
-        absorb = ctx.tick_s / (ctx.tick_s + max(0.0, cfg.capacity.ttft_slo_s - pm_))
+        absorb = ctx.tick_s / (ctx.tick_s + budget)
         # TTFT waits on prefill: only the prefill part of the level is bursty at this scale;
         # decode work is spread over the outputs' lifetimes
         surge = (1.0 - phi) + phi * burst * absorb
@@ -441,6 +464,7 @@ __all__ = [
     "HeadroomPolicy",
     "HeadroomState",
     "UtilizationModel",
+    "burst_rate",
     "headroom_policy",
     "staffed",
 ]

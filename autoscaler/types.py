@@ -67,6 +67,10 @@ class DemandSample:
     gpu_util: float = 0.0
     # observed TTFT p99 of requests whose first token came in the interval (-1: none)
     ttft_p99_s: float = -1.0
+    # sub-tick bursts: per window length w (`autoscaler.demand.PEAK_WINDOWS_S`), the most
+    # prefill work that arrived within any w seconds ending in the interval, and how many
+    # requests brought it: (w, work, requests). Empty when the host cannot see arrivals.
+    prefill_peaks: tuple[tuple[float, float, int], ...] = ()
 
     @property
     def rate(self) -> float:

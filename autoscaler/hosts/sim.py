@@ -255,7 +255,7 @@ def run_autoscaled(
     sim = FleetSim(
         replace(fleet, replicas=n0), functools.partial(make_policy, config.routing_policy)
     )
-    meter = DemandMeter(cap)
+    meter = DemandMeter(cap, peak_windows=(config.tick_s,))
     run = AutoscaleRun(
         policy.name, FleetResult([], [], 0.0, 0.0, 0.0), config, fleet.profile.tp, n0
     )

@@ -90,3 +90,45 @@ def test_nothing_leaks_once_every_request_finishes(ops: list[tuple[str, int]]) -
         m.finished(f"r{k}", t + 1)
     s = m.sample(t + 2)
     assert (s.in_flight, s.backlog_requests, s.backlog_work_s) == (0, 0, 0.0)
+
+
+def test_a_spike_cut_by_a_tick_boundary_is_seen_whole_on_the_sliding_window() -> None:
+    m = DemandMeter(CAP, peak_windows=(5.0,))
+    work = CAP.prefill_work(2000)
+    # ten requests 4.6 .. 5.4 s: the 5-s tick boundary cuts the spike in two
+    for i in range(10):
+        m.arrived(f"r{i}", 2000, 10, 4.6 + 0.08 * i if i < 5 else 5.0 + 0.08 * (i - 4))
+        if i == 4:
+            first = m.sample(5.0)
+    second = m.sample(10.0)
+    assert first.prefill_peaks == ((5.0, pytest.approx(5 * work), 5),)
+    assert first.prefill_work_s == pytest.approx(5 * work)
+    # the second tick holds five of them, its window reaches back to the other five
+    assert second.prefill_work_s == pytest.approx(5 * work)
+    assert second.prefill_peaks == ((5.0, pytest.approx(10 * work), 10),)
+    # a quiet interval reports no peak; one arrival long after: only itself
+    assert m.sample(15.0).prefill_peaks == ()
+    m.arrived("late", 2000, 10, 30.0)
+    assert m.sample(30.0).prefill_peaks == ((5.0, pytest.approx(work), 1),)
+
+
+@pytest.mark.parametrize(
+    ("gaps", "window", "expected_n"),
+    [
+        ([0.125] * 20, 1.0, 8),  # a window (t - 1, t] holds 8 of them
+        ([0.125] * 20, 5.0, 20),
+        ([2.0] * 5, 1.0, 1),
+        ([0.5, 0.5, 3.0, 0.125, 0.125], 1.0, 3),
+    ],
+)
+def test_peak_window_counts_the_densest_run(
+    gaps: list[float], window: float, expected_n: int
+) -> None:
+    m = DemandMeter(CAP, peak_windows=(window,))
+    t = 0.0
+    for i, g in enumerate(gaps):
+        t += g
+        m.arrived(f"r{i}", 1000, 10, t)
+    ((w, work, n),) = m.sample(t + 1.0).prefill_peaks
+    assert (w, n) == (window, expected_n)
+    assert work == pytest.approx(expected_n * CAP.prefill_work(1000))

@@ -17,6 +17,7 @@ from autoscaler.headroom import (
     HeadroomConfig,
     HeadroomPolicy,
     HeadroomState,
+    burst_rate,
     headroom_policy,
     staffed,
 )
@@ -416,3 +417,44 @@ def test_a_step_far_above_any_burst_is_followed_within_seconds(
     # and the step does not stay in the forecast error: no more than the rate and burst need
     # plus rounding once it is followed (no backlog here)
     assert max(d.target for _, d in run) <= need + 3
+
+
+# -- the burst measure: the sharpest window of one tick -------------------------------------------
+@pytest.mark.parametrize(
+    ("prefill", "peaks", "expected"),
+    [
+        (20.0, (), 2.0),  # no peaks: the interval's mean rate
+        (20.0, ((5.0, 90.0, 50),), 2.0),  # a window shorter than the tick is not this measure
+        (20.0, ((10.0, 40.0, 100), (15.0, 60.0, 100)), 40.0 / 12.0 * 12.0 / 10.0),
+        (5.0, ((10.0, 30.0, 2),), 2.0 * 12.0 / 10.0),  # two requests use two replicas at most
+        (30.0, ((10.0, 30.0, 1),), 3.0),  # never below the interval's own rate
+    ],
+)
+def test_burst_rate_reads_the_one_tick_window(
+    prefill: float, peaks: tuple[tuple[float, float, int], ...], expected: float
+) -> None:
+    s = DemandSample(10.0, TICK, 10, prefill, 0.0, prefill_peaks=peaks)
+    assert burst_rate(s, TICK, 2.0) == pytest.approx(expected)
+
+
+def test_a_spike_counts_the_same_wherever_the_tick_boundaries_cut_it() -> None:
+    """The same spike every 16 ticks, whole in one tick or halved over two: with the sliding
+    window the burst factor is the same; the tick totals alone see half of it when cut."""
+
+    def run(cut: bool, peaks: bool) -> float:
+        state, current, last = POLICY.initial_state(), 4, None
+        for i in range(400):
+            t = i * TICK
+            spike = i % 16 in ((0, 1) if cut else (0,))
+            work = (40.0 if cut else 80.0) if spike else 10.0
+            # the meter's window: the first half of a cut spike alone, then all of it
+            seen = (40.0 if cut and i % 16 == 0 else 80.0) if spike else 10.0
+            window = ((TICK, seen, 40 if spike else 5),) if peaks else ()
+            s = DemandSample(t, TICK, 10, work, 0.0, prefill_mean_s=0.1, prefill_peaks=window)
+            last, state = POLICY.decide(context(s, current), state, t)
+            current = last.target
+        assert last is not None
+        return last.figures()["burst_factor"]
+
+    assert run(cut=True, peaks=True) == pytest.approx(run(cut=False, peaks=True))
+    assert run(cut=True, peaks=False) < run(cut=False, peaks=False)
