@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.router_urls import RouterUrls
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
@@ -113,12 +114,15 @@ class RouterReading:
 
     counters: Mapping[str, float]  # arrivals, prefill, decode
     gauges: Mapping[str, float]  # the GAUGES names
+    # window_s -> (most prefill work within window_s, its requests), summed over models
+    peaks: Mapping[float, tuple[float, float]] = field(default_factory=dict)
 
 
 def parse_router_metrics(text: str, model: str = "") -> RouterReading:
     """The demand metrics of one router's exposition (`model` '' = every model)."""
     counters = dict.fromkeys(COUNTERS, 0.0)
     gauges = dict.fromkeys(GAUGES, 0.0)
+    peaks: dict[float, tuple[float, float]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if model and s.labels.get("model", model) != model:
@@ -129,7 +133,14 @@ def parse_router_metrics(text: str, model: str = "") -> RouterReading:
                 counters[s.labels["kind"]] += s.value
             elif s.name in gauges:
                 gauges[s.name] += s.value
-    return RouterReading(counters, gauges)
+            elif s.name in (PEAK_WORK, PEAK_REQUESTS) and "window_s" in s.labels:
+                w = float(s.labels["window_s"])
+                work, n = peaks.get(w, (0.0, 0.0))
+                if s.name == PEAK_WORK:
+                    peaks[w] = (work + s.value, n)
+                else:
+                    peaks[w] = (work, n + s.value)
+    return RouterReading(counters, gauges, peaks)
 
 
 def counter_delta(prev: float, cur: float) -> float:
@@ -164,6 +175,17 @@ class DemandAccumulator:
         if first:
             return DemandSample(t_s=now, interval_s=0.0)
         arrivals = round(sums["arrivals"])
+        # routers' peaks add up (a bound: their windows need not coincide); a window some
+        # router does not report is left out
+        windows = set.intersection(*(set(r.peaks) for r in ok.values()))
+        peaks = tuple(
+            (
+                w,
+                sum(r.peaks[w][0] for r in ok.values()),
+                round(sum(r.peaks[w][1] for r in ok.values())),
+            )
+            for w in sorted(windows)
+        )
         return DemandSample(
             t_s=now,
             interval_s=interval,
@@ -175,6 +197,7 @@ class DemandAccumulator:
             in_flight=round(in_flight),
             in_flight_avg=avg,
             prefill_mean_s=sums["prefill"] / arrivals if arrivals else 0.0,
+            prefill_peaks=tuple(p for p in peaks if p[2] > 0),
         )
 
 

@@ -47,13 +47,18 @@ from autoscaler.capacity import SloCapacity
 from autoscaler.types import DemandSample
 
 PEAK_WINDOWS_S: tuple[float, ...] = (5.0, 10.0, 15.0, 30.0)
+# how a router exports `recent_peaks` (per window_s), and the hosts that read it
+PEAK_WORK = "cp_demand_prefill_peak_work_seconds"
+PEAK_REQUESTS = "cp_demand_prefill_peak_requests"
 
 
 class _PeakWindow:
-    """Sliding sum of the prefill work that arrived in the last `w` seconds, and its largest
-    value (with the request count) since the last reset. O(1) amortized per arrival."""
+    """Sliding sum of the prefill work that arrived in the last `w` seconds. Keeps its largest
+    value (with the request count) since the last reset, for `sample`, and the largest over
+    the windows ending in the last `w` seconds (a monotone queue), for readers that poll on
+    their own clock (/metrics). O(1) amortized per arrival."""
 
-    __slots__ = ("best", "best_n", "events", "sum", "w")
+    __slots__ = ("best", "best_n", "events", "recent", "sum", "w")
 
     def __init__(self, w: float) -> None:
         self.w = w
@@ -61,6 +66,8 @@ class _PeakWindow:
         self.sum = 0.0
         self.best = 0.0
         self.best_n = 0
+        # (window end, sum, requests), sums strictly decreasing from the front
+        self.recent: deque[tuple[float, float, int]] = deque()
 
     def add(self, now: float, work: float) -> None:
         ev = self.events
@@ -72,6 +79,17 @@ class _PeakWindow:
             self.sum = 0.0
         if self.sum > self.best:
             self.best, self.best_n = self.sum, len(ev)
+        recent = self.recent
+        while recent and recent[-1][1] <= self.sum:
+            recent.pop()
+        recent.append((now, self.sum, len(ev)))
+
+    def recent_peak(self, now: float) -> tuple[float, int]:
+        """The largest window sum (and its requests) among windows ending in `(now - w, now]`."""
+        recent = self.recent
+        while recent and recent[0][0] <= now - self.w:
+            recent.popleft()
+        return (recent[0][1], recent[0][2]) if recent else (0.0, 0)
 
 
 @dataclass(slots=True)
@@ -162,6 +180,12 @@ class DemandMeter:
         self._backlog_work = max(0.0, self._backlog_work - entry.work_s) if self._backlog_n else 0.0
 
     # -- reading ---------------------------------------------------------------------------------
+    def recent_peaks(self, now: float) -> tuple[tuple[float, float, int], ...]:
+        """Per peak window `w`: the most prefill work within `w` seconds among the windows
+        ending in the last `w` seconds, and its requests: `(w, work, requests)`. Unlike
+        `sample`'s it resets on time, not on reading, so any number of scrapers see the same."""
+        return tuple((pw.w, *pw.recent_peak(now)) for pw in self._peaks)
+
     @property
     def in_flight(self) -> int:
         return len(self._open)
@@ -207,4 +231,4 @@ class DemandMeter:
         return sample
 
 
-__all__ = ["PEAK_WINDOWS_S", "DemandMeter"]
+__all__ = ["PEAK_REQUESTS", "PEAK_WINDOWS_S", "PEAK_WORK", "DemandMeter"]

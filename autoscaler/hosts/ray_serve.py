@@ -48,6 +48,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from autoscaler.controller import counter_delta, load_policy
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WINDOWS_S, PEAK_WORK
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.hosts.ray_ingress import board
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
@@ -64,6 +65,8 @@ BACKLOG_REQUESTS = "cp_backlog_requests"
 IN_FLIGHT = "cp_in_flight_requests"
 COUNTERS = (ARRIVALS, PREFILL, DECODE)
 GAUGES = (BACKLOG_WORK, BACKLOG_REQUESTS, IN_FLIGHT)
+# sub-tick peaks (`DemandMeter.recent_peaks`), one gauge per window: "<name>:<window_s>"
+PEAK_GAUGES = tuple(f"{n}:{w:g}" for w in PEAK_WINDOWS_S for n in (PEAK_WORK, PEAK_REQUESTS))
 STATE_KEY = "cp_autoscaler"
 ADAPTER = "autoscaler.hosts.ray_serve:ServeAutoscaler"
 # AutoscalingConfig fields passed through as given (the delays and factors are ours to set)
@@ -119,15 +122,24 @@ class DemandTotals:
         self.backlog_requests = 0
         self.backlog_work_s = 0.0
         self.in_flight = 0
+        self.peaks: tuple[tuple[float, float, int], ...] = ()
 
     def arrived(self, prefill_work_s: float, decode_work_s: float, n: int = 1) -> None:
         self.arrivals += n
         self.prefill_work_s += prefill_work_s
         self.decode_work_s += decode_work_s
 
-    def set_load(self, *, backlog_requests: int, backlog_work_s: float, in_flight: int) -> None:
+    def set_load(
+        self,
+        *,
+        backlog_requests: int,
+        backlog_work_s: float,
+        in_flight: int,
+        peaks: tuple[tuple[float, float, int], ...] = (),
+    ) -> None:
         self.backlog_requests, self.backlog_work_s = backlog_requests, backlog_work_s
         self.in_flight = in_flight
+        self.peaks = peaks
 
     def add(self, sample: DemandSample) -> None:
         self.arrived(sample.prefill_work_s, sample.decode_work_s, sample.arrivals)
@@ -142,6 +154,8 @@ class DemandTotals:
             ARRIVALS: float(self.arrivals), PREFILL: self.prefill_work_s,
             DECODE: self.decode_work_s, BACKLOG_REQUESTS: float(self.backlog_requests),
             BACKLOG_WORK: self.backlog_work_s, IN_FLIGHT: float(self.in_flight),
+            **{f"{PEAK_WORK}:{w:g}": work for w, work, _ in self.peaks},
+            **{f"{PEAK_REQUESTS}:{w:g}": float(n) for w, _, n in self.peaks},
         }  # fmt: skip
 
 
@@ -175,7 +189,7 @@ def metrics_sample(
     raw: dict[str, dict[Any, Any]], st: AdapterState, now: float
 ) -> tuple[DemandSample, dict[str, dict[str, float]]]:
     """The interval's demand from the replicas' reported counters; the new baselines."""
-    latest = {name: _latest(raw, name) for name in (*COUNTERS, *GAUGES)}
+    latest = {name: _latest(raw, name) for name in (*COUNTERS, *GAUGES, *PEAK_GAUGES)}
     current = {
         rid: {name: latest[name].get(rid, 0.0) for name in COUNTERS} for rid in latest[ARRIVALS]
     }
@@ -189,6 +203,14 @@ def metrics_sample(
     gauges = {name: sum(latest[name].values()) for name in GAUGES}
     arrivals = round(sums[ARRIVALS])
     in_flight = gauges[IN_FLIGHT]
+    # the replicas' peaks add up (a bound); a window every replica reports
+    peaks = tuple(
+        (w, sum(latest[f"{PEAK_WORK}:{w:g}"].values()), n)
+        for w in PEAK_WINDOWS_S
+        if latest[f"{PEAK_WORK}:{w:g}"]
+        and set(latest[f"{PEAK_WORK}:{w:g}"]) >= set(current)
+        and (n := round(sum(latest[f"{PEAK_REQUESTS}:{w:g}"].values()))) > 0
+    )
     return DemandSample(
         t_s=now,
         interval_s=max(0.0, now - st.last_tick),
@@ -200,6 +222,7 @@ def metrics_sample(
         in_flight=round(in_flight),
         in_flight_avg=in_flight,
         prefill_mean_s=sums[PREFILL] / arrivals if arrivals else 0.0,
+        prefill_peaks=peaks,
     ), current
 
 

@@ -17,18 +17,25 @@ counters over its tick):
     cp_demand_prefill_work_squared_seconds_total{model}   sum of squared prefill work (for SCV)
     cp_demand_arrivals_total{model}
     cp_backlog_work_seconds{model}, cp_backlog_requests{model}, cp_in_flight_requests{model}
+    cp_demand_prefill_peak_work_seconds{model,window_s}   sub-tick bursts: the most prefill
+    cp_demand_prefill_peak_requests{model,window_s}       work (and its requests) within any
+                                                          window_s seconds, over the windows
+                                                          ending in the last window_s seconds
+                                                          (`DemandMeter.recent_peaks`, read at
+                                                          scrape time: every scraper sees it)
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from autoscaler.capacity import SloCapacity
-from autoscaler.demand import DemandMeter
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK, DemandMeter
 from autoscaler.hosts.ray_serve import DemandTotals
 from controlplane.roofline.profile import profile
 from router.config import RouterSettings
@@ -93,6 +100,36 @@ class RouterDemand:
         self.in_flight = Gauge(
             "cp_in_flight_requests", "Admitted requests not finished.", ["model"], registry=r
         )
+        r.register(self)
+
+    # -- the sub-tick peaks, computed when scraped -------------------------------------------------
+    def _peak_families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        work = GaugeMetricFamily(
+            PEAK_WORK,
+            "Most prefill work (replica-seconds at the SLO) that arrived within window_s "
+            "seconds, over the windows ending in the last window_s seconds.",
+            labels=["model", "window_s"],
+        )
+        reqs = GaugeMetricFamily(
+            PEAK_REQUESTS,
+            "Requests in the window of cp_demand_prefill_peak_work_seconds.",
+            labels=["model", "window_s"],
+        )
+        return work, reqs
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._peak_families()
+
+    def collect(self) -> Iterator[Metric]:
+        work, reqs = self._peak_families()
+        now = self.clock()
+        for model, meter in sorted(self.meters.items()):
+            for w, peak, n in meter.recent_peaks(now):
+                window = f"{w:g}"
+                work.add_metric([model, window], peak)
+                reqs.add_metric([model, window], float(n))
+        yield work
+        yield reqs
 
     def _meter(self, model: str) -> DemandMeter:
         meter = self.meters.get(model)
@@ -135,8 +172,19 @@ class RouterDemand:
             backlog_requests=sum(m.backlog_requests for m in meters),
             backlog_work_s=sum(m.backlog_work_s for m in meters),
             in_flight=sum(m.in_flight for m in meters),
+            peaks=self._peaks_over_models(),
         )
         return self.totals.stats()
+
+    def _peaks_over_models(self) -> tuple[tuple[float, float, int], ...]:
+        """Every model's `recent_peaks` now, added up per window (a bound)."""
+        now = self.clock()
+        per_window: dict[float, tuple[float, int]] = {}
+        for meter in self.meters.values():
+            for w, work, n in meter.recent_peaks(now):
+                total, count = per_window.get(w, (0.0, 0))
+                per_window[w] = (total + work, count + n)
+        return tuple((w, work, n) for w, (work, n) in sorted(per_window.items()))
 
     # -- the request scope's hooks (router/scope.py) ----------------------------------------------
     def on_admitted(self, scope: RequestScope) -> None:

@@ -108,20 +108,50 @@ cp_backlog_work_seconds{model="a"} 0.5
 cp_backlog_requests{model="a"} 2
 cp_in_flight_requests{model="a"} 5
 cp_in_flight_requests{model="b"} 50
+cp_demand_prefill_peak_work_seconds{model="a",window_s="5"} 0.75
+cp_demand_prefill_peak_requests{model="a",window_s="5"} 3
+cp_demand_prefill_peak_work_seconds{model="b",window_s="5"} 2.0
+cp_demand_prefill_peak_requests{model="b",window_s="5"} 1
 unrelated_total 3
 """
 
 
 @pytest.mark.parametrize(
-    ("model", "counters", "in_flight"),
-    [("a", {"arrivals": 7, "prefill": 1.5, "decode": 4.0}, 5),
-     ("", {"arrivals": 77, "prefill": 1.5, "decode": 104.0}, 55),
-     ("c", {"arrivals": 0, "prefill": 0.0, "decode": 0.0}, 0)],
+    ("model", "counters", "in_flight", "peaks"),
+    [("a", {"arrivals": 7, "prefill": 1.5, "decode": 4.0}, 5, {5.0: (0.75, 3.0)}),
+     ("", {"arrivals": 77, "prefill": 1.5, "decode": 104.0}, 55, {5.0: (2.75, 4.0)}),
+     ("c", {"arrivals": 0, "prefill": 0.0, "decode": 0.0}, 0, {})],
 )  # fmt: skip
-def test_parse_router_metrics(model: str, counters: dict[str, float], in_flight: int) -> None:
+def test_parse_router_metrics(
+    model: str,
+    counters: dict[str, float],
+    in_flight: int,
+    peaks: dict[float, tuple[float, float]],
+) -> None:
     r = parse_router_metrics(EXPOSITION, model)
     assert dict(r.counters) == counters
     assert r.gauges["cp_in_flight_requests"] == in_flight
+    assert dict(r.peaks) == peaks
+
+
+def test_routers_peaks_add_up_per_window_both_report() -> None:
+    def with_peaks(n: float, peaks: dict[float, tuple[float, float]]) -> RouterReading:
+        base = reading(n, n / 10, n / 5)
+        return RouterReading(base.counters, base.gauges, peaks)
+
+    acc = DemandAccumulator()
+    acc.update(0.0, {"a": with_peaks(10, {}), "b": with_peaks(20, {})})
+    s = acc.update(
+        5.0,
+        {
+            "a": with_peaks(15, {5.0: (1.0, 3.0), 10.0: (1.5, 4.0)}),
+            "b": with_peaks(25, {5.0: (0.5, 2.0)}),  # an older router: no 10-s window
+        },
+    )
+    assert s.prefill_peaks == ((5.0, 1.5, 5),)
+    # no arrivals anywhere within a window: nothing to report
+    s = acc.update(10.0, {"a": with_peaks(15, {5.0: (0.0, 0.0)}), "b": with_peaks(25, {})})
+    assert s.prefill_peaks == ()
 
 
 def test_load_times_from_the_fleet() -> None:

@@ -132,3 +132,20 @@ def test_peak_window_counts_the_densest_run(
     ((w, work, n),) = m.sample(t + 1.0).prefill_peaks
     assert (w, n) == (window, expected_n)
     assert work == pytest.approx(expected_n * CAP.prefill_work(1000))
+
+
+def test_recent_peaks_hold_for_one_window_whoever_reads_them() -> None:
+    m = DemandMeter(CAP, peak_windows=(5.0, 10.0))
+    work = CAP.prefill_work(1000)
+    for i in range(4):
+        m.arrived(f"a{i}", 1000, 10, 1.0 + 0.25 * i)
+    at6 = m.recent_peaks(6.0)
+    assert at6 == ((5.0, pytest.approx(4 * work), 4), (10.0, pytest.approx(4 * work), 4))
+    assert m.recent_peaks(6.0) == at6  # reading changes nothing
+    m.sample(6.0)
+    assert m.recent_peaks(6.0) == at6  # nor does a sample
+    m.arrived("b", 1000, 10, 8.0)
+    # 5-s windows ending after 4 s: only b's; 10-s ones: the one ending at 8 s holds all five
+    at9 = m.recent_peaks(9.0)
+    assert at9 == ((5.0, pytest.approx(work), 1), (10.0, pytest.approx(5 * work), 5))
+    assert m.recent_peaks(30.0) == ((5.0, 0.0, 0), (10.0, 0.0, 0))

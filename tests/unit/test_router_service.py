@@ -209,3 +209,13 @@ async def test_demand_signal_counts_admitted_work_and_empties_after(svc: Service
     assert got[("cp_demand_prefill_work_squared_seconds_total", m)] > 0
     assert got[("cp_backlog_requests", m)] == 0
     assert got[("cp_in_flight_requests", m)] == 0
+    # the sub-tick peaks, per window: both arrivals fall within the longest one
+    long = (*m, ("window_s", "30"))
+    assert got[("cp_demand_prefill_peak_work_seconds", long)] == pytest.approx(prefill)
+    assert got[("cp_demand_prefill_peak_requests", long)] == 2
+    # what the standalone autoscaler reads of it
+    from autoscaler.controller import parse_router_metrics
+
+    peaks = parse_router_metrics(body, MODEL).peaks
+    assert sorted(peaks) == [5.0, 10.0, 15.0, 30.0]
+    assert peaks[30.0] == (pytest.approx(prefill), 2.0)
