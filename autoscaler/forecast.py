@@ -68,6 +68,9 @@ class ForecastConfig:
     # the forecast (or at most 1 / surge_ratio of it) for `surge_confirm_s`; inf = never
     surge_ratio: float = math.inf
     surge_confirm_s: float = 30.0
+    # an upward surge is measured against at least this level (below it, a ratio to the level
+    # is noise: a 40-s spike at a few requests a minute is not a new level)
+    surge_floor: float = 0.0
     sigma_tau_s: float = 600.0
     # what a horizon forecast is scored against: "value" (the raw sample) or "level" (the
     # smoothed level + season at the due time: the error of forecasting the level, without
@@ -137,7 +140,8 @@ def _surging(cfg: ForecastConfig, mean: float, base: float) -> bool:
     if math.isinf(cfg.surge_ratio):
         return False
     base = max(base, cfg.clip_floor_abs)
-    return mean >= cfg.surge_ratio * base or mean * cfg.surge_ratio <= base
+    up = mean >= cfg.surge_ratio * max(base, cfg.surge_floor)
+    return up or mean * cfg.surge_ratio <= base
 
 
 def _factor(per_tick: float, dt: float, tick: float) -> float:

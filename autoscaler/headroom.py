@@ -14,15 +14,17 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
 4. Need, rate, bursts and backlog kept apart (anchors §4):
        R          = peak(L)                             the level's forecast peak, [now, now + L]
        need_rate  = (R + sqrt(beta^2 R + (z sigma_L)^2)) / rho*(n)
-       need_burst = ((1 - phi) + phi * F_q * tick / (tick + b)) * R + z sigma_L
+       need_burst = (1 - phi) R + F_q * tick / (tick + b) * max(phi R, f) + z sigma_L
        need_back  = (backlog_work_s - spare_ready * D) / D   (>= 0; D = drain_time_s, or L)
        up         = ceil(max(need_rate, need_burst) + need_back + spare)
    - `spare_ready = ready - max(need_rate, need_burst)`: what the ready fleet drains by itself
      within D; only the rest of the backlog buys replicas.
    - `sigma_L` is the forecaster's own error at horizon L, scored against the level (not the
      noisy sample), upside only (the RMS of its under-forecasts, so a positive bias counts and a
-     missed drop does not); `beta sqrt(R)` is square-root staffing for the Poisson
-     granularity, combined with `z sigma_L` in quadrature.
+     missed drop does not); `beta sqrt(R)` is optional square-root staffing, combined with
+     `z sigma_L` in quadrature. Its default is 0: the M/G/c target `rho*(n)` already prices
+     the Poisson arrivals' queueing, and staffing for it again cost the synthetic trace 11-14%
+     over the rate-only bound (docs/autoscaling.md).
    - `rho*(n)` is the SLO-compatible utilization of `n` pooled replicas (M/G/c with the measured
      prefill moments, `SloCapacity.utilization_target`), with `n` the fleet size the need
      itself implies (a few fixed-point steps from the current size).
@@ -34,7 +36,10 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
      log-binned histogram. Only
      the prefill share `phi` of the work is bursty at the TTFT time scale (decode work is
      spread over the outputs' lifetimes), and a tick's burst may outrun the fleet as long as
-     its backlog drains within the TTFT waiting budget `b = ttft_slo - E[prefill]`.
+     its backlog drains within the TTFT waiting budget `b = ttft_slo - E[prefill]`. Below
+     `f = burst_floor` replicas of prefill, bursts are measured against `f` and carried as
+     replicas, not as a multiple of the level: at a few requests a minute the level is noise,
+     and a 30x ratio to it, times the next forecast wobble, orders tens of replicas.
 5. Target. Loading replicas are capacity arriving: everything is compared with
    `current = ready + loading`.
    - warming up (less than `warmup_s` of history): `max(current, up)`, never down (WARMING_UP);
@@ -94,7 +99,7 @@ class UtilizationModel(Protocol):
 class HeadroomConfig:
     capacity: UtilizationModel
     z: float = 3.5  # 1% probability that demand at the horizon exceeds the forecast + z sigma
-    beta: float = 0.5  # square-root staffing; rho* already budgets per-replica queueing
+    beta: float = 0.0  # square-root staffing on top of rho* (which prices Poisson queueing)
     spare: int = 0  # N+1 reserve (see the report: a failure within L is rarer than 1%)
     drain_time_s: float | None = None  # None: the lead time
     max_step_up: int = 8
@@ -116,6 +121,10 @@ class HeadroomConfig:
     # spike cut by a tick boundary; on the sliding window 0.995 keeps every Azure draw >= 99%
     # (docs/autoscaling.md)
     burst_quantile: float = 0.995
+    # replicas of prefill work below which bursts are remembered and carried in absolute
+    # terms (a burst of 3 replicas at a level of 0.1 is 3 replicas, not 30x the level: at light
+    # traffic the level is a few requests a minute and a ratio to it is noise)
+    burst_floor: float = 1.0
     surge_min_ratio: float = 3.0
     surge_burst_mult: float = 1.5
     burst_memory_s: float = 3600.0
@@ -232,6 +241,7 @@ class HeadroomPolicy:
             cfg.forecast,
             horizon_s=lead,
             surge_ratio=max(cfg.surge_min_ratio, cfg.surge_burst_mult * state.burst_q),
+            surge_floor=cfg.burst_floor,
         )
         share = state.prefill_ew / state.work_ew if state.work_ew > 0 else -1.0
         prefill_rate = s.prefill_work_s / s.interval_s
@@ -261,8 +271,14 @@ class HeadroomPolicy:
         absorb = ctx.tick_s / (ctx.tick_s + budget)
         # TTFT waits on prefill: only the prefill part of the level is bursty at this scale;
         # decode work is spread over the outputs' lifetimes
-        surge = (1.0 - phi) + phi * burst * absorb
-        need_burst = surge * pk + cfg.z * sigma
+        # below `burst_floor` replicas of prefill the burst memory is absolute (see _bursts)
+        floor = cfg.burst_floor
+
+        def with_bursts(rate: float) -> float:
+            return (1.0 - phi) * rate + burst * absorb * max(phi * rate, floor)
+
+        surge = with_bursts(pk) / pk if pk > 0 else 1.0
+        need_burst = with_bursts(pk) + cfg.z * sigma
         # the backlog the ready replicas cannot drain with their spare capacity within the
         # drain time is what extra replicas are for (those ordered now arrive after L anyway)
         drain = cfg.drain_time_s or lead
@@ -270,7 +286,7 @@ class HeadroomPolicy:
         need_back = max(0.0, s.backlog_work_s - spare_ready * drain) / drain
         up = _ceil(max(need_rate, need_burst) + need_back + cfg.spare)
         keep_rate, _ = self._rate_need(pk_keep, sigma, pm_, scv_, current)
-        keep_burst = surge * pk_keep + cfg.z * sigma
+        keep_burst = with_bursts(pk_keep) + cfg.z * sigma
         # what to keep: the need at the forecast peak over the look-ahead, and the largest need
         # of the last re-use horizon: demand that came and went within it is expected back, and
         # a replica shed now could not return in time
@@ -372,11 +388,12 @@ class HeadroomPolicy:
         share: float,
     ) -> tuple[tuple[float, ...], tuple[tuple[float, float, float, float], ...]]:
         """Decay the burst memory to `t`; judge the ticks older than the forecaster's
-        level-shift confirmation time with that hindsight: a tick's prefill rate over the larger
-        of its recent mean then (EW, memory burst_memory_s / 6) and the level now (times the
-        prefill share). A burst is still a burst; the first minutes of a sustained step are
-        part of the new level, not a burst to carry for an hour. Weighted by prefill work (the
-        quantile is over the requests that meet the fleet)."""
+        level-shift confirmation time with that hindsight: a tick's prefill rate over the largest
+        of its recent mean then (EW, memory burst_memory_s / 6), the level now (times the
+        prefill share) and `burst_floor` (below it the memory is absolute). A burst is still
+        a burst; the first minutes of a sustained step are part of the new level, not a burst
+        to carry for an hour. Weighted by prefill work (the quantile is over the requests that
+        meet the fleet)."""
         cfg = self.config
         weights = state.burst_w or empty_bursts()
         if state.forecast.n:
@@ -389,7 +406,7 @@ class HeadroomPolicy:
         keep = []
         for t0, r, w, mean in pending:
             if t - t0 >= fcfg.shift_confirm_s:
-                weights = add_burst(weights, r / max(mean, level_now), w, 1.0)
+                weights = add_burst(weights, r / max(mean, level_now, cfg.burst_floor), w, 1.0)
             else:
                 keep.append((t0, r, w, mean))
         return weights, tuple(keep)

@@ -165,6 +165,28 @@ def test_a_smaller_excursion_waits_for_the_shift_confirmation() -> None:
     assert current_level(cfg, state) < 3.0
 
 
+@pytest.mark.parametrize(
+    ("floor", "surge"),
+    [
+        (0.0, True),  # 0.1 -> 2.0 is 20x the level: a surge
+        (1.0, False),  # measured against a floor of 1.0 it is 2x: a burst
+        (0.5, True),  # 4x a floor of 0.5
+    ],
+)
+def test_an_upward_surge_is_measured_against_the_surge_floor(floor: float, surge: bool) -> None:
+    cfg = dataclasses.replace(FLAT, surge_ratio=3.0, surge_floor=floor)
+    state = feed(cfg, [0.1] * 50 + [2.0] * 5)  # 50 s above: past surge_confirm_s
+    assert (current_level(cfg, state) > 1.0) == surge
+
+
+@pytest.mark.parametrize("after", [0.05, 0.2, 0.3])
+def test_the_surge_floor_leaves_downward_surges_alone(after: float) -> None:
+    values = [0.3] * 50 + [after] * 5
+    floored = feed(dataclasses.replace(FLAT, surge_ratio=3.0, surge_floor=1.0), values)
+    plain = feed(dataclasses.replace(FLAT, surge_ratio=3.0), values)
+    assert floored.level == plain.level
+
+
 # -- peak and immutability ------------------------------------------------------------------------
 series = st.lists(st.floats(min_value=0.0, max_value=100.0), min_size=1, max_size=60)
 

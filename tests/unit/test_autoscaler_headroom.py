@@ -100,7 +100,9 @@ def warmed(policy: HeadroomPolicy, rate: float, ready: int, ticks: int = 40) -> 
     return state
 
 
-POLICY = HeadroomPolicy(HeadroomConfig(ConstRho(0.8)))
+# square-root staffing on (the default is off) so the tests' figures exercise that term too
+BETA = 0.5
+POLICY = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), beta=BETA))
 _CONFORMS: ScalingPolicy[HeadroomState] = POLICY  # mypy checks the protocol
 
 
@@ -202,7 +204,9 @@ def test_bounds_and_rate_limits_hold_for_any_sample_and_fleet(
     down: int,
     rho: float,
 ) -> None:
-    policy = HeadroomPolicy(HeadroomConfig(ConstRho(rho), max_step_up=up, max_step_down=down))
+    policy = HeadroomPolicy(
+        HeadroomConfig(ConstRho(rho), beta=BETA, max_step_up=up, max_step_down=down)
+    )
     hi = lo + span
     state = policy.initial_state()
     for i, rate in enumerate(rates):
@@ -224,7 +228,9 @@ def test_bounds_and_rate_limits_hold_for_any_sample_and_fleet(
 # -- backlog --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("backlog", "ready"), [(0.0, 5), (100.0, 5), (500.0, 5), (1000.0, 5)])
 def test_backlog_term_adds_what_the_ready_fleet_cannot_drain(backlog: float, ready: int) -> None:
-    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), drain_time_s=100.0, max_step_up=64))
+    policy = HeadroomPolicy(
+        HeadroomConfig(ConstRho(0.8), beta=BETA, drain_time_s=100.0, max_step_up=64)
+    )
     state = warmed(policy, 3.0, ready)
     d, _ = policy.decide(context(sample(400.0, 3.0, backlog), ready), state, 400.0)
     f = d.figures()
@@ -237,7 +243,7 @@ def test_backlog_term_adds_what_the_ready_fleet_cannot_drain(backlog: float, rea
 
 
 def test_a_backlog_the_ready_spare_drains_orders_nothing() -> None:
-    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), drain_time_s=100.0))
+    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), beta=BETA, drain_time_s=100.0))
     state = warmed(policy, 3.0, 20)
     d, _ = policy.decide(context(sample(400.0, 3.0, 500.0), 20), state, 400.0)
     assert d.figures()["need_backlog"] == 0.0  # 15 spare replicas drain 500 s of work in 100 s
@@ -270,7 +276,7 @@ def staffed_target(rate: float) -> int:
 
 
 def test_a_shorter_reload_sheds_sooner() -> None:
-    fast = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), reload_cost_s=60.0))
+    fast = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), beta=BETA, reload_cost_s=60.0))
     rates = [8.0] * 60 + [1.0] * 100
     first = {
         name: next(t for t, d in drive(p, rates, 12)[0] if d.target < 12)
@@ -405,7 +411,7 @@ def test_a_step_far_above_any_burst_is_followed_within_seconds(
     surge_min_ratio: float, orders_by_s: float
 ) -> None:
     policy = HeadroomPolicy(
-        HeadroomConfig(ConstRho(0.8), surge_min_ratio=surge_min_ratio, max_step_up=64)
+        HeadroomConfig(ConstRho(0.8), beta=BETA, surge_min_ratio=surge_min_ratio, max_step_up=64)
     )
     rates = [0.3] * 60 + [9.0] * 60  # the step at 600 s
     run, _ = drive(policy, rates, start=1)
@@ -458,3 +464,28 @@ def test_a_spike_counts_the_same_wherever_the_tick_boundaries_cut_it() -> None:
 
     assert run(cut=True, peaks=True) == pytest.approx(run(cut=False, peaks=True))
     assert run(cut=True, peaks=False) < run(cut=False, peaks=False)
+
+
+# -- light traffic: bursts in replicas, not in multiples of a tiny level --------------------------
+@pytest.mark.parametrize(("floor", "scales_with_level"), [(1.0, False), (0.0, True)])
+def test_below_the_burst_floor_a_remembered_burst_is_carried_in_replicas(
+    floor: float, scales_with_level: bool
+) -> None:
+    """Spikes of 1 replica of prefill every 30 ticks over a level of 0.02, then the level
+    rises to 0.3 (still light). Floored, the memory holds the spikes' 1 replica; as a ratio
+    to the old mean (about 15x) they now ask for 15x the new level: 4 replicas."""
+    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), burst_floor=floor))
+    state, current, last = policy.initial_state(), 3, None
+    rates = [(1.0 if i % 30 == 0 else 0.02) for i in range(240)] + [0.3] * 30
+    for i, p in enumerate(rates):
+        t = i * TICK
+        s = DemandSample(t, TICK, 5, p * TICK, 0.0, prefill_mean_s=0.1, prefill_scv=1.0)
+        last, state = policy.decide(context(s, current), state, t)
+        current = last.target
+    assert last is not None
+    need = last.figures()["need_burst"]
+    absorb = TICK / (TICK + 2.0 - 0.1)
+    if scales_with_level:
+        assert need > 3 * absorb
+    else:
+        assert need < 1.5 * absorb
