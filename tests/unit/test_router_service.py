@@ -218,4 +218,5 @@ async def test_demand_signal_counts_admitted_work_and_empties_after(svc: Service
 
     peaks = parse_router_metrics(body, MODEL).peaks
     assert sorted(peaks) == [5.0, 10.0, 15.0, 30.0]
-    assert peaks[30.0] == (pytest.approx(prefill), 2.0)
+    assert peaks[30.0][0] == pytest.approx(prefill)
+    assert peaks[30.0][1] == 2.0
