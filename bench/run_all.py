@@ -29,6 +29,7 @@ BENCHES = (
     # after autoscale_bench: it reads out/bench/autoscale.json for the policies' points
     "autoscale_oracle.py",
     "autoscale_hpa.py",
+    "autoscale_light.py",
 )
 
 
