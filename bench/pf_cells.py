@@ -10,7 +10,7 @@ is best or within 2% on each; `--json` writes the cells in routing_matrix.json's
     PYTHONPATH=. python bench/pf_cells.py --knees K.json --seeds 0,1 \
         --cells conversations:light,conversations:knee --variant t02 '{"tpot_target_s": 0.2}'
 
-Caches under --cache (default /tmp/pf-ttft/cache): delete a variant's folder after changing the
+Caches under --cache (default out/pf_cells_cache): delete a variant's folder after changing the
 policy's code. The traces come from the settings' data dir (CP_DATA_DIR): in a git worktree
 outside the main checkout, point it at the shared data, or the Azure trace falls back to its
 bundled excerpt and the azure-code cells are not the matrix's.
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--cells", default="", help="trace:load,... (default: all 12)")
     ap.add_argument("--variant", nargs=2, metavar=("NAME", "PARAMS_JSON"), default=("base", "{}"))
-    ap.add_argument("--cache", type=Path, default=Path("/tmp/pf-ttft/cache"))
+    ap.add_argument("--cache", type=Path, default=Path("out/pf_cells_cache"))
     ap.add_argument("--json", type=Path, help="write the cells in routing_matrix.json's shape")
     ap.add_argument("--peers-only", action="store_true")
     args = ap.parse_args()
