@@ -101,6 +101,11 @@ def local_policy(
         hysteresis_s=max(2 * tick_s, 300.0 * k),
         reuse_horizon_s=max(2 * tick_s, 300.0 * k),
         burst_memory_s=max(10 * tick_s, 3600.0 * k),
+        # time is scaled, demand is not: the miniature's few small requests a second are a
+        # sliver of one replica of the profile's prefill, so the production floor (1 replica)
+        # would put every decision in light-traffic mode; the miniature's scenarios (a 1 -> 3
+        # -> 1 step) keep the relative burst memory they were written for
+        burst_floor=0.0,
         forecast=ForecastConfig(
             tick_s=tick_s,
             alpha=0.3,
