@@ -44,7 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK, sum_peaks
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.router_urls import RouterUrls
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
@@ -175,17 +175,8 @@ class DemandAccumulator:
         if first:
             return DemandSample(t_s=now, interval_s=0.0)
         arrivals = round(sums["arrivals"])
-        # routers' peaks add up (a bound: their windows need not coincide); a window some
-        # router does not report is left out
-        windows = set.intersection(*(set(r.peaks) for r in ok.values()))
-        peaks = tuple(
-            (
-                w,
-                sum(r.peaks[w][0] for r in ok.values()),
-                round(sum(r.peaks[w][1] for r in ok.values())),
-            )
-            for w in sorted(windows)
-        )
+        # routers' peaks add up; a window some router does not report is left out
+        peaks = sum_peaks([(w, work, n) for w, (work, n) in r.peaks.items()] for r in ok.values())
         return DemandSample(
             t_s=now,
             interval_s=interval,

@@ -39,6 +39,7 @@ its samples are pure.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,8 +76,6 @@ class _PeakWindow:
         self.sum += work
         while ev and ev[0][0] <= now - self.w:
             self.sum -= ev.popleft()[1]
-        if not ev:
-            self.sum = 0.0
         if self.sum > self.best:
             self.best, self.best_n = self.sum, len(ev)
         recent = self.recent
@@ -90,6 +89,23 @@ class _PeakWindow:
         while recent and recent[0][0] <= now - self.w:
             recent.popleft()
         return (recent[0][1], recent[0][2]) if recent else (0.0, 0)
+
+
+def sum_peaks(
+    parts: Iterable[Iterable[tuple[float, float, float]]],
+) -> tuple[tuple[float, float, int], ...]:
+    """Several meters' `(window, work, requests)` peaks added up per window (a bound: their
+    densest windows need not coincide), for the windows every part reports."""
+    totals: dict[float, tuple[float, float]] | None = None
+    for part in parts:
+        mine = {w: (work, n) for w, work, n in part}
+        if totals is None:
+            totals = mine
+            continue
+        totals = {
+            w: (work + mine[w][0], n + mine[w][1]) for w, (work, n) in totals.items() if w in mine
+        }
+    return tuple((w, work, round(n)) for w, (work, n) in sorted((totals or {}).items()))
 
 
 @dataclass(slots=True)
@@ -231,4 +247,4 @@ class DemandMeter:
         return sample
 
 
-__all__ = ["PEAK_REQUESTS", "PEAK_WINDOWS_S", "PEAK_WORK", "DemandMeter"]
+__all__ = ["PEAK_REQUESTS", "PEAK_WINDOWS_S", "PEAK_WORK", "DemandMeter", "sum_peaks"]

@@ -48,7 +48,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from autoscaler.controller import counter_delta, load_policy
-from autoscaler.demand import PEAK_REQUESTS, PEAK_WINDOWS_S, PEAK_WORK
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WINDOWS_S, PEAK_WORK, sum_peaks
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.hosts.ray_ingress import board
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
@@ -65,8 +65,14 @@ BACKLOG_REQUESTS = "cp_backlog_requests"
 IN_FLIGHT = "cp_in_flight_requests"
 COUNTERS = (ARRIVALS, PREFILL, DECODE)
 GAUGES = (BACKLOG_WORK, BACKLOG_REQUESTS, IN_FLIGHT)
-# sub-tick peaks (`DemandMeter.recent_peaks`), one gauge per window: "<name>:<window_s>"
-PEAK_GAUGES = tuple(f"{n}:{w:g}" for w in PEAK_WINDOWS_S for n in (PEAK_WORK, PEAK_REQUESTS))
+
+
+def peak_key(name: str, window_s: float) -> str:
+    """The stats key of one sub-tick peak gauge (`DemandMeter.recent_peaks`): name:window."""
+    return f"{name}:{window_s:g}"
+
+
+PEAK_GAUGES = tuple(peak_key(n, w) for w in PEAK_WINDOWS_S for n in (PEAK_WORK, PEAK_REQUESTS))
 STATE_KEY = "cp_autoscaler"
 ADAPTER = "autoscaler.hosts.ray_serve:ServeAutoscaler"
 # AutoscalingConfig fields passed through as given (the delays and factors are ours to set)
@@ -154,8 +160,8 @@ class DemandTotals:
             ARRIVALS: float(self.arrivals), PREFILL: self.prefill_work_s,
             DECODE: self.decode_work_s, BACKLOG_REQUESTS: float(self.backlog_requests),
             BACKLOG_WORK: self.backlog_work_s, IN_FLIGHT: float(self.in_flight),
-            **{f"{PEAK_WORK}:{w:g}": work for w, work, _ in self.peaks},
-            **{f"{PEAK_REQUESTS}:{w:g}": float(n) for w, _, n in self.peaks},
+            **{peak_key(PEAK_WORK, w): work for w, work, _ in self.peaks},
+            **{peak_key(PEAK_REQUESTS, w): float(n) for w, _, n in self.peaks},
         }  # fmt: skip
 
 
@@ -203,13 +209,14 @@ def metrics_sample(
     gauges = {name: sum(latest[name].values()) for name in GAUGES}
     arrivals = round(sums[ARRIVALS])
     in_flight = gauges[IN_FLIGHT]
-    # the replicas' peaks add up (a bound); a window every replica reports
-    peaks = tuple(
-        (w, sum(latest[f"{PEAK_WORK}:{w:g}"].values()), n)
-        for w in PEAK_WINDOWS_S
-        if latest[f"{PEAK_WORK}:{w:g}"]
-        and set(latest[f"{PEAK_WORK}:{w:g}"]) >= set(current)
-        and (n := round(sum(latest[f"{PEAK_REQUESTS}:{w:g}"].values()))) > 0
+    # the replicas' peaks add up; a window some replica does not report is left out
+    peaks = sum_peaks(
+        [
+            (w, latest[peak_key(PEAK_WORK, w)][rid], latest[peak_key(PEAK_REQUESTS, w)].get(rid, 0))
+            for w in PEAK_WINDOWS_S
+            if rid in latest[peak_key(PEAK_WORK, w)]
+        ]
+        for rid in current
     )
     return DemandSample(
         t_s=now,
@@ -222,7 +229,7 @@ def metrics_sample(
         in_flight=round(in_flight),
         in_flight_avg=in_flight,
         prefill_mean_s=sums[PREFILL] / arrivals if arrivals else 0.0,
-        prefill_peaks=peaks,
+        prefill_peaks=tuple(p for p in peaks if p[2] > 0),
     ), current
 
 

@@ -35,7 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from autoscaler.capacity import SloCapacity
-from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK, DemandMeter
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK, DemandMeter, sum_peaks
 from autoscaler.hosts.ray_serve import DemandTotals
 from controlplane.roofline.profile import profile
 from router.config import RouterSettings
@@ -177,14 +177,9 @@ class RouterDemand:
         return self.totals.stats()
 
     def _peaks_over_models(self) -> tuple[tuple[float, float, int], ...]:
-        """Every model's `recent_peaks` now, added up per window (a bound)."""
+        """Every model's `recent_peaks` now, added up per window."""
         now = self.clock()
-        per_window: dict[float, tuple[float, int]] = {}
-        for meter in self.meters.values():
-            for w, work, n in meter.recent_peaks(now):
-                total, count = per_window.get(w, (0.0, 0))
-                per_window[w] = (total + work, count + n)
-        return tuple((w, work, n) for w, (work, n) in sorted(per_window.items()))
+        return sum_peaks(m.recent_peaks(now) for m in self.meters.values())
 
     # -- the request scope's hooks (router/scope.py) ----------------------------------------------
     def on_admitted(self, scope: RequestScope) -> None:

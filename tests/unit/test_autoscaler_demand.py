@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from autoscaler.capacity import SloCapacity
-from autoscaler.demand import DemandMeter
+from autoscaler.demand import DemandMeter, sum_peaks
 from controlplane.roofline.profile import profile
 
 CAP = SloCapacity.build(profile("h100", "llama-3.1-8b"), 2.0, 0.1)
@@ -154,3 +154,18 @@ def test_recent_peaks_hold_for_one_window_whoever_reads_them() -> None:
     at9 = m.recent_peaks(9.0)
     assert flat(at9) == pytest.approx(flat(((5.0, work, 1), (10.0, 5 * work, 5))))
     assert flat(m.recent_peaks(30.0)) == pytest.approx(flat(((5.0, 0.0, 0), (10.0, 0.0, 0))))
+
+
+@pytest.mark.parametrize(
+    ("parts", "expected"),
+    [
+        ([], []),
+        ([[(5.0, 1.0, 2)], [(5.0, 0.5, 1)]], [5.0, 1.5, 3]),
+        ([[(5.0, 1.0, 2), (10.0, 2.0, 3)], [(5.0, 0.5, 1)]], [5.0, 1.5, 3]),  # 10 s: one part
+        ([[(10.0, 0.0, 0), (5.0, 1.0, 1)]], [5.0, 1.0, 1, 10.0, 0.0, 0]),  # sorted, zeros kept
+    ],
+)
+def test_sum_peaks_adds_the_windows_every_part_reports(
+    parts: list[list[tuple[float, float, int]]], expected: list[float]
+) -> None:
+    assert flat(sum_peaks(parts)) == pytest.approx(expected)
