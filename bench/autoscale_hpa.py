@@ -127,7 +127,7 @@ def main() -> None:
         name: {
             "slo_attainment": r.slo_attainment(),
             "gpu_hours": r.gpu_hours(),
-            "peak_ordered": max(p.ordered for p in r.timeline),
+            "peak_ordered": r.peak_ordered(),
             "peak_demand_replicas": peak_demand,
             "recovery_s": recovery_s(ends, series[name]),
         }

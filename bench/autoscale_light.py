@@ -59,7 +59,7 @@ def figures(run: AutoscaleRun) -> dict[str, float]:
         "attainment": run.slo_attainment(),
         "late": float(run.late()),
         "gpu_hours": run.gpu_hours(),
-        "peak_replicas": float(max((p.ordered for p in run.timeline), default=0)),
+        "peak_replicas": float(run.peak_ordered()),
     }
 
 

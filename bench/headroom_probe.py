@@ -86,7 +86,7 @@ def main() -> None:
         "attainment_pct": round(100 * run.slo_attainment(), 3),
         "late": run.late(),
         "gpu_hours": round(run.gpu_hours(), 2),
-        "peak_ordered": max((p.ordered for p in run.timeline), default=0),
+        "peak_ordered": run.peak_ordered(),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(json.dumps(summary))

@@ -121,6 +121,10 @@ class AutoscaleRun:
             if r.arrival_s >= since_s and not (r.completed and r.ttft_s <= slo)
         )
 
+    def peak_ordered(self) -> int:
+        """The most replicas ordered (ready + loading) at any tick."""
+        return max((p.ordered for p in self.timeline), default=0)
+
     def slo_attainment(self) -> float:
         recs = self.result.records
         return 1.0 - self.late() / len(recs) if recs else 0.0
@@ -154,7 +158,7 @@ class AutoscaleRun:
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p99_s": float(np.percentile(ttft, 99)),
             "initial_replicas": self.initial_replicas,
-            "peak_ordered": max((p.ordered for p in self.timeline), default=0),
+            "peak_ordered": self.peak_ordered(),
             "wall_seconds": self.result.wall_s,
         }
         if timeline:
