@@ -1,11 +1,13 @@
 """The demand signal, measured where requests arrive: at the router (never GPU utilization).
 
-A `DemandMeter` sees four events per request, from whichever host runs it (the live router, the
+A `DemandMeter` sees these events per request, from whichever host runs it (the live router, the
 simulator's routers):
 
     arrived(id, prompt, predicted_output, now)   work is priced at arrival with `SloCapacity`:
                                                  prefill P(prompt), decode D(predicted output);
                                                  the request joins the backlog and in-flight set
+    dispatched(id, replica, now)                 a router sent it to `replica` (optional: a host
+                                                 that dispatches on arrival, or cannot tell)
     started(id, now)                             it left the backlog (a replica began its prefill)
     first_token(id, now)                         TTFT observed (for reports, not for decisions)
     finished(id, now)                            it leaves in-flight (and the backlog, if it never
@@ -15,7 +17,9 @@ simulator's routers):
 
 - arrival rate, kept apart from the backlog: `prefill_work_s` and `decode_work_s` sum the work
   of requests that *arrived* in the interval; `backlog_work_s` is the work of requests accepted
-  and not started at `now`. A policy that treats the backlog as demand (Ray's default, KPA)
+  and not started at `now`; `backlog_by_replica` splits off the part already dispatched, per
+  replica (only that replica can serve it: new replicas drain the router's queue, not another
+  replica's waiting queue). A policy that treats the backlog as demand (Ray's default, KPA)
   turns the queue that piled up while replicas loaded into permanent capacity; keeping the two
   apart lets the headroom policy drain the one and forecast the other.
 - `in_flight_avg`: the time-average of the in-flight count over the interval (what Ray's
@@ -113,6 +117,7 @@ class _Open:
     arrival_s: float
     work_s: float
     started: bool = False
+    replica: str | None = None  # where a router dispatched it (None: still at the router)
 
 
 class DemandMeter:
@@ -129,6 +134,9 @@ class DemandMeter:
         self._open: dict[str, _Open] = {}
         self._backlog_work = 0.0
         self._backlog_n = 0
+        # dispatched backlog work per replica (entries leave when it reaches no request)
+        self._pinned: dict[str, float] = {}
+        self._pinned_n: dict[str, int] = {}
         self._t0 = start_s
         self._last_event = start_s
         self._area = 0.0  # integral of the in-flight count since _t0
@@ -171,6 +179,16 @@ class DemandMeter:
         self._backlog_n += 1
         return prefill, decode
 
+    def dispatched(self, request_id: str, replica: str, now: float) -> None:
+        """A router sent the request to `replica`: its backlog now waits there (once; a
+        request already started, finished or dispatched is left as it is)."""
+        entry = self._open.get(request_id)
+        if entry is None or entry.started or entry.replica is not None:
+            return
+        entry.replica = replica
+        self._pinned[replica] = self._pinned.get(replica, 0.0) + entry.work_s
+        self._pinned_n[replica] = self._pinned_n.get(replica, 0) + 1
+
     def started(self, request_id: str, now: float) -> None:
         entry = self._open.get(request_id)
         if entry is None or entry.started:
@@ -194,6 +212,14 @@ class DemandMeter:
     def _leave_backlog(self, entry: _Open) -> None:
         self._backlog_n -= 1
         self._backlog_work = max(0.0, self._backlog_work - entry.work_s) if self._backlog_n else 0.0
+        rep = entry.replica
+        if rep is not None:
+            left = self._pinned_n[rep] - 1
+            if left:
+                self._pinned_n[rep] = left
+                self._pinned[rep] = max(0.0, self._pinned[rep] - entry.work_s)
+            else:
+                del self._pinned_n[rep], self._pinned[rep]
 
     # -- reading ---------------------------------------------------------------------------------
     def recent_peaks(self, now: float) -> tuple[tuple[float, float, int], ...]:
@@ -214,6 +240,11 @@ class DemandMeter:
     def backlog_work_s(self) -> float:
         return self._backlog_work
 
+    @property
+    def backlog_by_replica(self) -> dict[str, float]:
+        """The dispatched backlog's work per replica holding any (a copy)."""
+        return dict(self._pinned)
+
     def sample(self, now: float, *, gpu_util: float = 0.0) -> DemandSample:
         """Close the interval since the last sample and describe it."""
         self._advance(now)
@@ -233,6 +264,7 @@ class DemandMeter:
             decode_work_s=self._decode,
             backlog_requests=self._backlog_n,
             backlog_work_s=self._backlog_work,
+            backlog_by_replica=tuple(sorted(self._pinned.values(), reverse=True)),
             in_flight=len(self._open),
             in_flight_avg=self._area / interval if interval > 0 else float(len(self._open)),
             prefill_mean_s=mean,

@@ -15,10 +15,16 @@ Every decision (`decide(ctx, state, now)`, pure; units: replicas of work at the 
        R          = peak(L)                             the level's forecast peak, [now, now + L]
        need_rate  = (R + sqrt(beta^2 R + (z sigma_L)^2)) / rho*(n)
        need_burst = (1 - phi) R + F_q * tick / (tick + b) * max(phi R, f) + z sigma_L
-       need_back  = (backlog_work_s - spare_ready * D) / D   (>= 0; D = drain_time_s, or L)
+       need_back  = sum_i min(1, b_i / D) + Q / D - spare_ready   (>= 0; D = drain_time_s, or L)
        up         = ceil(max(need_rate, need_burst) + need_back + spare)
    - `spare_ready = ready - max(need_rate, need_burst)`: what the ready fleet drains by itself
      within D; only the rest of the backlog buys replicas.
+   - The backlog `Q` still at the router drains on any replica. The backlog `b_i` a router
+     already dispatched to replica i (`DemandSample.backlog_by_replica`) waits in i's own
+     queue: new replicas cannot take it, it only keeps i busy, for at most all of D. After a
+     step, the queue that piled up on the one ready replica is that replica's for an hour;
+     pricing it as `b / D` replicas ordered 2.1x the demand for no earlier recovery
+     (docs/autoscaling.md, load step).
    - `sigma_L` is the forecaster's own error at horizon L, scored against the level (not the
      noisy sample), upside only (the RMS of its under-forecasts, so a positive bias counts and a
      missed drop does not); `beta sqrt(R)` is optional square-root staffing, combined with
@@ -283,7 +289,9 @@ class HeadroomPolicy:
         # drain time is what extra replicas are for (those ordered now arrive after L anyway)
         drain = cfg.drain_time_s or lead
         spare_ready = max(0.0, fleet.ready - max(need_rate, need_burst))
-        need_back = max(0.0, s.backlog_work_s - spare_ready * drain) / drain
+        pinned = sum(min(1.0, b / drain) for b in s.backlog_by_replica)
+        queued = max(0.0, s.backlog_work_s - sum(s.backlog_by_replica))
+        need_back = max(0.0, pinned + queued / drain - spare_ready)
         up = _ceil(max(need_rate, need_burst) + need_back + cfg.spare)
         keep_rate, _ = self._rate_need(pk_keep, sigma, pm_, scv_, current)
         keep_burst = with_bursts(pk_keep) + cfg.z * sigma
@@ -338,6 +346,7 @@ class HeadroomPolicy:
             ("prefill_share", phi),
             ("surge", surge),
             ("need_burst", need_burst),
+            ("backlog_pinned_replicas", pinned),
             ("need_backlog", need_back),
             ("need", float(up)),
             ("keep", float(keep)),

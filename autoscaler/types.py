@@ -56,6 +56,12 @@ class DemandSample:
     # at t_s: requests accepted and not yet started (router queue + replicas' waiting queues)
     backlog_requests: int = 0
     backlog_work_s: float = 0.0
+    # at t_s: the part of that backlog already dispatched to a replica, per replica holding any
+    # (descending). Only that replica can serve it (vLLM's waiting queue: a router dispatches on
+    # arrival and never moves a request), so replicas ordered now cannot drain it; the rest
+    # (`backlog_work_s - sum`) waits at the router, where any replica can take it. Empty: the
+    # host does not know, and the whole backlog counts as waiting at the router.
+    backlog_by_replica: tuple[float, ...] = ()
     # at t_s: requests accepted and not finished (Ray's "ongoing requests", Knative concurrency)
     in_flight: int = 0
     # time-average over the interval of the same count (what Ray and Knative average)

@@ -20,9 +20,9 @@ ready, while a replica has room, and only to the replicas with room. Decode toke
 sweeps (every `charge_interval_s` while tenants contend) where the router charges them per chunk.
 
 Hooks for a host (all optional): `observer` hears each request's arrival (with the router's
-predicted output), its first scheduling on a replica, its first token and its end (completed,
-rejected or failed); `join` / `leave` change the fleet at once; `busy_time` reads a replica's
-busy seconds so far (its duty cycle).
+predicted output), the replica it is dispatched to, its first scheduling there, its first token
+and its end (completed, rejected or failed); `join` / `leave` change the fleet at once;
+`busy_time` reads a replica's busy seconds so far (its duty cycle).
 
 Routers only ever see what a live router sees: scraped metrics, their own ledger, index lookups.
 Each router is one `RoutingBooks` (controlplane.routing.books), the object the live router
@@ -77,6 +77,8 @@ class RequestObserver(Protocol):
     def arrived(
         self, request_id: str, prompt_tokens: int, predicted_output_tokens: int, now: float
     ) -> object: ...
+
+    def dispatched(self, request_id: str, replica: str, now: float) -> None: ...
 
     def started(self, request_id: str, now: float) -> None: ...
 
@@ -447,6 +449,8 @@ class FleetSim:
             if observer is not None:
                 observer.finished(rid, now)
             return
+        if observer is not None:
+            observer.dispatched(rid, rep.rid, now)
         routed, ops = books.commit(rreq, decision, snapshot, arm, now)
         self._apply(ops)
         ereq = EngineRequest(

@@ -211,6 +211,10 @@ def test_hpa_on_gpu_utilization_scales_late_while_ttft_grows() -> None:
     head_soon = max(p.target for p in head.timeline if p.t_s <= collapse + 240.0)
     hpa_soon = max(p.target for p in hpa.timeline if p.t_s <= collapse + 240.0)
     assert head_soon > hpa_soon
+    # and not much more: the queue that piled up on the ready replicas is theirs to serve (the
+    # router never moves it), so it buys no replicas beyond those it keeps busy
+    demand = 30.0 * cap.request_work(4000, 300)
+    assert max(p.target for p in head.timeline) <= 1.5 * demand
 
 
 def test_static_peak_never_scales() -> None:

@@ -69,7 +69,9 @@ def test_events_for_unknown_or_repeated_requests_are_ignored() -> None:
 
 
 events = st.lists(
-    st.tuples(st.sampled_from(["arrive", "start", "first", "finish"]), st.integers(0, 7)),
+    st.tuples(
+        st.sampled_from(["arrive", "dispatch", "start", "first", "finish"]), st.integers(0, 7)
+    ),
     max_size=60,
 )
 
@@ -83,6 +85,8 @@ def test_nothing_leaks_once_every_request_finishes(ops: list[tuple[str, int]]) -
         rid = f"r{k}"
         if op == "arrive":
             m.arrived(rid, 200 + 100 * k, 20, t)
+        elif op == "dispatch":
+            m.dispatched(rid, f"replica-{k % 3}", t)
         elif op == "start":
             m.started(rid, t)
         elif op == "first":
@@ -91,10 +95,37 @@ def test_nothing_leaks_once_every_request_finishes(ops: list[tuple[str, int]]) -
             m.finished(rid, t)
         assert 0 <= m.backlog_requests <= m.in_flight
         assert m.backlog_work_s >= 0
+        pinned = m.backlog_by_replica
+        assert all(w > 0 for w in pinned.values())
+        assert sum(pinned.values()) <= m.backlog_work_s + 1e-9
     for k in range(8):
         m.finished(f"r{k}", t + 1)
     s = m.sample(t + 2)
     assert (s.in_flight, s.backlog_requests, s.backlog_work_s) == (0, 0, 0.0)
+    assert (s.backlog_by_replica, m.backlog_by_replica) == ((), {})
+
+
+def test_dispatched_backlog_is_kept_per_replica_until_it_starts() -> None:
+    m = DemandMeter(CAP)
+    w = CAP.request_work(2000, 50)
+    for i in range(3):
+        m.arrived(f"a{i}", 2000, 50, 0.0)
+    m.arrived("held", 2000, 50, 0.0)  # still at the router's queue
+    m.dispatched("a0", "r1", 0.1)
+    m.dispatched("a1", "r1", 0.1)
+    m.dispatched("a2", "r2", 0.1)
+    m.dispatched("a2", "r1", 0.2)  # a request is dispatched once: later calls are ignored
+    m.dispatched("unknown", "r1", 0.2)
+    s = m.sample(1.0)
+    assert s.backlog_work_s == pytest.approx(4 * w)
+    assert s.backlog_by_replica == pytest.approx((2 * w, w))
+    m.started("a0", 1.5)
+    m.dispatched("a0", "r2", 1.6)  # already started: no longer backlog anywhere
+    m.finished("a2", 2.0)  # ended without starting (cancelled): leaves r2's queue
+    assert m.backlog_by_replica == pytest.approx({"r1": w})
+    m.first_token("a1", 2.5)
+    assert m.sample(3.0).backlog_by_replica == ()
+    assert m.backlog_work_s == pytest.approx(w)  # "held" never left the router
 
 
 def test_a_spike_cut_by_a_tick_boundary_is_seen_whole_on_the_sliding_window() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import given, settings
@@ -240,6 +240,36 @@ def test_backlog_term_adds_what_the_ready_fleet_cannot_drain(backlog: float, rea
     assert d.target == max(ready, math.ceil(base + f["need_backlog"] - 1e-9))
     grows = f["need_backlog"] > 0 and d.target > ready
     assert d.reason == (ScaleReason.BACKLOG_DRAIN if grows else ScaleReason.HOLD)
+
+
+# (backlog at the router, per-replica dispatched backlog, ready, need_backlog with D = 100 s
+# and a need of 3 / 0.8 = 3.75 replicas): a replica's own queue keeps it busy for at most all of
+# D, whatever its length; the router's queue drains on any replica
+@pytest.mark.parametrize(
+    ("queued", "pinned", "ready", "expected"),
+    [
+        (0.0, (), 4, 0.0),
+        (0.0, (5000.0,), 4, 1.0 - 0.25),  # a step's pile on one replica: one replica, not 50
+        (0.0, (5000.0, 5000.0), 4, 2.0 - 0.25),
+        (0.0, (50.0, 50.0), 4, 1.0 - 0.25),  # short queues: b / D each, as at the router
+        (500.0, (5000.0,), 4, 5.0 + 1.0 - 0.25),
+        (500.0, (), 4, 5.0 - 0.25),
+        (0.0, (5000.0,), 10, 0.0),  # six spare replicas absorb it
+    ],
+)
+def test_dispatched_backlog_occupies_only_the_replica_holding_it(
+    queued: float, pinned: tuple[float, ...], ready: int, expected: float
+) -> None:
+    policy = HeadroomPolicy(HeadroomConfig(ConstRho(0.8), drain_time_s=100.0, max_step_up=64))
+    state = warmed(policy, 3.0, ready)
+    s = replace(
+        sample(400.0, 3.0, queued + sum(pinned)), backlog_by_replica=tuple(sorted(pinned))[::-1]
+    )
+    d, _ = policy.decide(context(s, ready), state, 400.0)
+    f = d.figures()
+    assert max(f["need_rate"], f["need_burst"]) == pytest.approx(3.75)
+    assert f["need_backlog"] == pytest.approx(expected)
+    assert f["backlog_pinned_replicas"] == pytest.approx(sum(min(1.0, b / 100.0) for b in pinned))
 
 
 def test_a_backlog_the_ready_spare_drains_orders_nothing() -> None:
