@@ -392,6 +392,9 @@ class RouterCore:
     def on_admitted(self, scope: RequestScope) -> None:
         return None
 
+    def on_routed(self, scope: RequestScope) -> None:
+        return None
+
     def on_first_token(self, scope: RequestScope) -> None:
         if scope.routed is not None:
             self.first_token(scope.routed)

@@ -314,7 +314,7 @@ class RouterRuntime:
         and move its fair-queue slot there."""
         assert scope.request is not None
         routed = await self.core.route(scope.request, allowed=ticket.room, prefetched=prefetched)
-        scope.routed = routed
+        scope.routed_to(routed)
         self.fairq.place(ticket, routed.replica_id, self.profile_of(routed))
 
     def profile_of(self, routed: Routed) -> EngineProfile:

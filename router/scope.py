@@ -2,6 +2,7 @@
 
     scope = RequestScope(request_id, tenant, model, hooks, started_s)
     scope.admitted()            quota reserved, entering the fair queue    -> on_admitted
+    scope.routed_to(routed)     its replica is chosen (sets `routed`)       -> on_routed
     scope.first_token(at)       the replica's first chunk is here           -> on_first_token
     scope.tokens(n)             n more content events relayed               -> on_tokens
     scope.end(outcome, status)  however it ended, once                      -> on_end(outcome)
@@ -52,6 +53,8 @@ class ScopeHooks(Protocol):
 
     def on_admitted(self, scope: RequestScope) -> None: ...
 
+    def on_routed(self, scope: RequestScope) -> None: ...
+
     def on_first_token(self, scope: RequestScope) -> None: ...
 
     def on_tokens(self, scope: RequestScope, n: int) -> None: ...
@@ -63,6 +66,9 @@ class NoHooks:
     """Base for hooks that care about some events only."""
 
     def on_admitted(self, scope: RequestScope) -> None:
+        return None
+
+    def on_routed(self, scope: RequestScope) -> None:
         return None
 
     def on_first_token(self, scope: RequestScope) -> None:
@@ -101,6 +107,7 @@ class RequestScope:
     # the `status` label: an HTTP status, or client_closed / upstream_died
     status: str = ""
     _admitted: bool = field(default=False, repr=False)
+    _routed_told: bool = field(default=False, repr=False)
 
     @property
     def ended(self) -> bool:
@@ -112,6 +119,17 @@ class RequestScope:
         self._admitted = True
         for h in self.hooks:
             h.on_admitted(self)
+
+    def routed_to(self, routed: Routed) -> None:
+        """The request's replica is chosen (by this router, or by Serve's request router as the
+        ingress learns it): `routed` is the scope's; the hooks hear of it once, never after
+        the end (a reroute keeps the replica they were told)."""
+        self.routed = routed
+        if self._routed_told or self.ended:
+            return
+        self._routed_told = True
+        for h in self.hooks:
+            h.on_routed(self)
 
     def first_token(self, at: float) -> None:
         if self.first_at is not None or self.ended:

@@ -283,6 +283,9 @@ class FairQueue:
     def on_admitted(self, scope: RequestScope) -> None:
         return None
 
+    def on_routed(self, scope: RequestScope) -> None:
+        return None
+
     def on_first_token(self, scope: RequestScope) -> None:
         if scope.ticket is not None:
             self.first_token(scope.ticket)

@@ -187,7 +187,7 @@ class IngressRuntime(RouterRuntime):
         """The engine answered: its request router's decision becomes the scope's."""
         routed = LINKS.take(scope.request_id)
         if routed is not None:
-            scope.routed = routed
+            scope.routed_to(routed)
             up.replica_id = routed.replica_id
         else:  # a request router that is not ours: the replica, if the engine names it
             named = parse_decision_header(up.response.header(DECISION_HEADER.encode()).decode())

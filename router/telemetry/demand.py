@@ -4,11 +4,17 @@ One `DemandMeter` (autoscaler/demand.py) per served model, fed from the request'
 router:
 
     admitted (quota passed, before the fair queue)   arrived: work priced with SloCapacity
+    routed (its replica chosen)                      dispatched to that replica
     first token                                      started (left the backlog) + TTFT
     any end (done, error, disconnect, rejected)      finished (idempotent)
 
 The live router cannot see when a replica begins a prefill, so its backlog is "accepted and no
 first token yet": the router's queue, the replicas' waiting queues and the prefills in progress.
+The part already routed waits at (or runs on) its replica, which alone can serve it: it is also
+exported per replica. A reroute (the replica never accepted it) leaves it where it was first
+sent (`DemandMeter.dispatched` is once per request) until its first token or end. The Serve
+ingress learns a request's replica only with its first chunk (router/serve/ingress.py `adopt`):
+there the per-replica part stays empty.
 
 Exported (the standalone autoscaler sums these over every router replica and differentiates the
 counters over its tick):
@@ -17,6 +23,9 @@ counters over its tick):
     cp_demand_prefill_work_squared_seconds_total{model}   sum of squared prefill work (for SCV)
     cp_demand_arrivals_total{model}
     cp_backlog_work_seconds{model}, cp_backlog_requests{model}, cp_in_flight_requests{model}
+    cp_backlog_dispatched_work_seconds{model,replica}     the backlog work already routed to
+                                                          `replica` (series only for replicas
+                                                          holding some: removed at zero)
     cp_demand_prefill_peak_work_seconds{model,window_s}   sub-tick bursts: the most prefill
     cp_demand_prefill_peak_requests{model,window_s}       work (and its requests) within any
                                                           window_s seconds, over the windows
@@ -100,6 +109,15 @@ class RouterDemand:
         self.in_flight = Gauge(
             "cp_in_flight_requests", "Admitted requests not finished.", ["model"], registry=r
         )
+        self.backlog_dispatched = Gauge(
+            "cp_backlog_dispatched_work_seconds",
+            "Work of admitted requests without a first token yet that were routed to the "
+            "replica (replica-seconds at the SLO).",
+            ["model", "replica"],
+            registry=r,
+        )
+        # model -> the replicas whose cp_backlog_dispatched_work_seconds series exist
+        self._dispatched_to: dict[str, frozenset[str]] = {}
         r.register(self)
 
     # -- the sub-tick peaks, computed when scraped -------------------------------------------------
@@ -141,6 +159,12 @@ class RouterDemand:
         self.backlog_work.labels(model).set(meter.backlog_work_s)
         self.backlog_requests.labels(model).set(meter.backlog_requests)
         self.in_flight.labels(model).set(meter.in_flight)
+        by_replica = meter.backlog_by_replica  # only replicas holding some
+        for replica, work in by_replica.items():
+            self.backlog_dispatched.labels(model, replica).set(work)
+        for replica in self._dispatched_to.get(model, frozenset()) - by_replica.keys():
+            self.backlog_dispatched.remove(model, replica)
+        self._dispatched_to[model] = frozenset(by_replica)
 
     def arrived(self, request_id: str, model: str, prompt_tokens: int, predicted: int) -> None:
         if not self.enabled or request_id in self._model_of:
@@ -153,6 +177,14 @@ class RouterDemand:
         self.work_sq.labels(model).inc(prefill * prefill)
         self.arrivals.labels(model).inc()
         self.totals.arrived(prefill, decode)
+        self._gauges(model, meter)
+
+    def dispatched(self, request_id: str, replica_id: str) -> None:
+        model = self._model_of.get(request_id)
+        if model is None:
+            return
+        meter = self.meters[model]
+        meter.dispatched(request_id, replica_id, self.clock())
         self._gauges(model, meter)
 
     def first_token(self, request_id: str) -> None:
@@ -187,6 +219,10 @@ class RouterDemand:
         if req is not None:
             predicted = req.predicted_output_tokens
             self.arrived(scope.request_id, scope.model, req.prompt_tokens, predicted)
+
+    def on_routed(self, scope: RequestScope) -> None:
+        if scope.routed is not None:
+            self.dispatched(scope.request_id, scope.routed.replica_id)
 
     def on_first_token(self, scope: RequestScope) -> None:
         self.first_token(scope.request_id)

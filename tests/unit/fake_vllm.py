@@ -5,10 +5,13 @@ SSE with a final usage chunk), for fast router tests that need no subprocess.
     fakes = FakeVllmFleet(["a", "b"])
     runtime = RouterRuntime(settings, transport=fakes.transport, resolve=fakes.resolve)
     fakes.calls            # every generation request received: (replica, path, headers, body)
+    fakes.hold = asyncio.Event()   # generation requests wait for it before answering
+    await fakes.held.wait()        # one is waiting (it reached its replica)
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +53,8 @@ class FakeVllmFleet:
     model: str = "tiny-llama"
     tokens: int = 4
     calls: list[Call] = field(default_factory=list)
+    hold: asyncio.Event | None = None
+    held: asyncio.Event = field(default_factory=asyncio.Event)
 
     def url(self, replica: str) -> str:
         return f"http://{replica}.fake:8000"
@@ -80,6 +85,9 @@ class FakeVllmFleet:
         if path in ("/v1/chat/completions", "/v1/completions"):
             body = json.loads(request.content)
             self.calls.append(Call(replica, path, dict(request.headers), body))
+            if self.hold is not None:
+                self.held.set()
+                await self.hold.wait()
             chat = path.endswith("chat/completions")
             if body.get("stream"):
                 return httpx.Response(

@@ -4,6 +4,7 @@ from the upstream request, and nothing left reserved."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -220,3 +221,66 @@ async def test_demand_signal_counts_admitted_work_and_empties_after(svc: Service
     assert sorted(peaks) == [5.0, 10.0, 15.0, 30.0]
     assert peaks[30.0][0] == pytest.approx(prefill)
     assert peaks[30.0][1] == 2.0
+
+
+def dispatched_series(body: str) -> dict[str, float]:
+    """replica -> cp_backlog_dispatched_work_seconds of the model, from a /metrics body."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {
+        s.labels["replica"]: s.value
+        for fam in text_string_to_metric_families(body)
+        for s in fam.samples
+        if s.name == "cp_backlog_dispatched_work_seconds" and s.labels["model"] == MODEL
+    }
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_routed_backlog_shows_under_its_replica_until_the_first_token(
+    svc: Service, stream: bool
+) -> None:
+    svc.fakes.hold = asyncio.Event()
+    pending = asyncio.create_task(
+        svc.client.post("/v1/chat/completions", json=chat(max_tokens=3, stream=stream))
+    )
+    await svc.fakes.held.wait()  # routed, sent, and no answer yet
+    replica = svc.fakes.calls[-1].replica
+    backlog = svc.runtime.demand.meters[MODEL].backlog_work_s
+    assert backlog > 0
+    body = (await svc.client.get("/metrics")).text
+    assert dispatched_series(body) == {replica: pytest.approx(backlog)}
+    svc.fakes.hold.set()
+    assert (await pending).status_code == 200
+    # the first token took it out of the backlog: its series is gone, not left at zero
+    assert dispatched_series((await svc.client.get("/metrics")).text) == {}
+
+
+@pytest.mark.parametrize("leave", ["first_token", "finished"])
+def test_a_replicas_dispatched_series_goes_when_its_last_request_leaves(leave: str) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from router.telemetry.demand import RouterDemand
+
+    settings = load_settings(
+        replicas=FakeVllmFleet(["a"]).replica_configs(), tokenizer="approx", served_model=MODEL
+    )
+    registry = CollectorRegistry()
+    demand = RouterDemand(settings, registry, clock=lambda: 0.0)
+    for rid in ("r1", "r2", "r3", "held"):
+        demand.arrived(rid, MODEL, 500, 20)
+    w = demand.meters[MODEL].backlog_work_s / 4
+    for rid, replica in (("r1", "a"), ("r2", "a"), ("r3", "b")):
+        demand.dispatched(rid, replica)
+    demand.dispatched("unknown", "c")  # never admitted: no series
+
+    def series() -> dict[str, float]:
+        return dispatched_series(generate_latest(registry).decode())
+
+    assert series() == {"a": pytest.approx(2 * w), "b": pytest.approx(w)}
+    getattr(demand, leave)("r1")
+    assert series() == {"a": pytest.approx(w), "b": pytest.approx(w)}
+    getattr(demand, leave)("r3")
+    assert series() == {"a": pytest.approx(w)}
+    getattr(demand, leave)("r2")
+    assert series() == {}
+    assert demand.meters[MODEL].backlog_work_s == pytest.approx(w)  # "held": still at the router
