@@ -5,7 +5,10 @@ Every `tick_s`:
 1. Scrape every router's `/metrics` (concurrently) and read one model's demand: the counters
    `cp_demand_work_seconds_total{kind="prefill"|"decode"}`, `cp_demand_arrivals_total`, and the
    gauges `cp_backlog_work_seconds`, `cp_backlog_requests`, `cp_in_flight_requests`, each summed
-   over the routers (and over models when no model is configured).
+   over the routers (and over models when no model is configured), and the backlog already
+   routed to each replica, `cp_backlog_dispatched_work_seconds{replica}`, summed per replica
+   over the routers (several routers send to the same replica): the sample's
+   `backlog_by_replica`, descending.
 2. Turn the counters into the interval's amounts: per router, `delta = cur - prev`, or `cur` when
    the counter went down (the router restarted and counts from 0 again). Baselines move only on
    a tick where *every* router answered, so every delta spans the same interval. A tick where a
@@ -56,6 +59,7 @@ log = logging.getLogger("controlplane.autoscaler")
 WORK = "cp_demand_work_seconds_total"
 ARRIVALS = "cp_demand_arrivals_total"
 GAUGES = ("cp_backlog_work_seconds", "cp_backlog_requests", "cp_in_flight_requests")
+DISPATCHED = "cp_backlog_dispatched_work_seconds"
 COUNTERS = ("arrivals", "prefill", "decode")
 POLICIES = {"headroom": "autoscaler.headroom:headroom_policy"}
 TRACER_NAME = "controlplane.autoscaler"
@@ -116,6 +120,8 @@ class RouterReading:
     gauges: Mapping[str, float]  # the GAUGES names
     # window_s -> (most prefill work within window_s, its requests), summed over models
     peaks: Mapping[float, tuple[float, float]] = field(default_factory=dict)
+    # replica -> backlog work this router already sent to it, summed over models
+    dispatched: Mapping[str, float] = field(default_factory=dict)
 
 
 def parse_router_metrics(text: str, model: str = "") -> RouterReading:
@@ -123,6 +129,7 @@ def parse_router_metrics(text: str, model: str = "") -> RouterReading:
     counters = dict.fromkeys(COUNTERS, 0.0)
     gauges = dict.fromkeys(GAUGES, 0.0)
     peaks: dict[float, tuple[float, float]] = {}
+    dispatched: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if model and s.labels.get("model", model) != model:
@@ -133,6 +140,9 @@ def parse_router_metrics(text: str, model: str = "") -> RouterReading:
                 counters[s.labels["kind"]] += s.value
             elif s.name in gauges:
                 gauges[s.name] += s.value
+            elif s.name == DISPATCHED and "replica" in s.labels:
+                replica = s.labels["replica"]
+                dispatched[replica] = dispatched.get(replica, 0.0) + s.value
             elif s.name in (PEAK_WORK, PEAK_REQUESTS) and "window_s" in s.labels:
                 w = float(s.labels["window_s"])
                 work, n = peaks.get(w, (0.0, 0.0))
@@ -140,7 +150,12 @@ def parse_router_metrics(text: str, model: str = "") -> RouterReading:
                     peaks[w] = (work + s.value, n)
                 else:
                     peaks[w] = (work, n + s.value)
-    return RouterReading(counters, gauges, peaks)
+    return RouterReading(counters, gauges, peaks, dispatched)
+
+
+def backlog_by_replica(work: Mapping[str, float]) -> tuple[float, ...]:
+    """`DemandSample.backlog_by_replica` of per-replica backlog work: the positive, descending."""
+    return tuple(sorted((w for w in work.values() if w > 0), reverse=True))
 
 
 def counter_delta(prev: float, cur: float) -> float:
@@ -177,6 +192,10 @@ class DemandAccumulator:
         arrivals = round(sums["arrivals"])
         # routers' peaks add up; a window some router does not report is left out
         peaks = sum_peaks([(w, work, n) for w, (work, n) in r.peaks.items()] for r in ok.values())
+        by_replica: dict[str, float] = {}
+        for r in ok.values():
+            for replica, work in r.dispatched.items():
+                by_replica[replica] = by_replica.get(replica, 0.0) + work
         return DemandSample(
             t_s=now,
             interval_s=interval,
@@ -185,6 +204,7 @@ class DemandAccumulator:
             decode_work_s=sums["decode"],
             backlog_requests=round(gauges["cp_backlog_requests"]),
             backlog_work_s=gauges["cp_backlog_work_seconds"],
+            backlog_by_replica=backlog_by_replica(by_replica),
             in_flight=round(in_flight),
             in_flight_avg=avg,
             prefill_mean_s=sums["prefill"] / arrivals if arrivals else 0.0,
@@ -439,6 +459,7 @@ __all__ = [
     "RouterReading",
     "RouterScraper",
     "TickResult",
+    "backlog_by_replica",
     "counter_delta",
     "load_policy",
     "parse_router_metrics",

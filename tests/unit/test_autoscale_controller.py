@@ -112,26 +112,55 @@ cp_demand_prefill_peak_work_seconds{model="a",window_s="5"} 0.75
 cp_demand_prefill_peak_requests{model="a",window_s="5"} 3
 cp_demand_prefill_peak_work_seconds{model="b",window_s="5"} 2.0
 cp_demand_prefill_peak_requests{model="b",window_s="5"} 1
+cp_backlog_dispatched_work_seconds{model="a",replica="r1"} 0.25
+cp_backlog_dispatched_work_seconds{model="a",replica="r2"} 0.125
+cp_backlog_dispatched_work_seconds{model="b",replica="r1"} 3.0
 unrelated_total 3
 """
 
 
 @pytest.mark.parametrize(
-    ("model", "counters", "in_flight", "peaks"),
-    [("a", {"arrivals": 7, "prefill": 1.5, "decode": 4.0}, 5, {5.0: (0.75, 3.0)}),
-     ("", {"arrivals": 77, "prefill": 1.5, "decode": 104.0}, 55, {5.0: (2.75, 4.0)}),
-     ("c", {"arrivals": 0, "prefill": 0.0, "decode": 0.0}, 0, {})],
+    ("model", "counters", "in_flight", "peaks", "dispatched"),
+    [("a", {"arrivals": 7, "prefill": 1.5, "decode": 4.0}, 5, {5.0: (0.75, 3.0)},
+      {"r1": 0.25, "r2": 0.125}),
+     ("", {"arrivals": 77, "prefill": 1.5, "decode": 104.0}, 55, {5.0: (2.75, 4.0)},
+      {"r1": 3.25, "r2": 0.125}),
+     ("c", {"arrivals": 0, "prefill": 0.0, "decode": 0.0}, 0, {}, {})],
 )  # fmt: skip
 def test_parse_router_metrics(
     model: str,
     counters: dict[str, float],
     in_flight: int,
     peaks: dict[float, tuple[float, float]],
+    dispatched: dict[str, float],
 ) -> None:
     r = parse_router_metrics(EXPOSITION, model)
     assert dict(r.counters) == counters
     assert r.gauges["cp_in_flight_requests"] == in_flight
     assert dict(r.peaks) == peaks
+    assert dict(r.dispatched) == dispatched
+
+
+def test_routers_dispatched_backlog_adds_up_per_replica() -> None:
+    def with_dispatched(n: float, backlog: float, dispatched: dict[str, float]) -> RouterReading:
+        base = reading(n, n / 10, n / 5, backlog)
+        return RouterReading(base.counters, base.gauges, dispatched=dispatched)
+
+    acc = DemandAccumulator()
+    acc.update(0.0, {"a": with_dispatched(10, 0.0, {}), "b": with_dispatched(20, 0.0, {})})
+    # both routers sent work to r1; a series at zero is no replica holding any
+    s = acc.update(
+        5.0,
+        {
+            "a": with_dispatched(15, 6.0, {"r1": 2.0, "r2": 3.0}),
+            "b": with_dispatched(25, 4.0, {"r1": 1.5, "r3": 0.0}),
+        },
+    )
+    assert s.backlog_work_s == 10.0
+    assert s.backlog_by_replica == (3.5, 3.0)
+    # nothing dispatched anywhere: the whole backlog waits at the routers
+    s = acc.update(10.0, {"a": with_dispatched(15, 1.0, {}), "b": with_dispatched(25, 0.0, {})})
+    assert s.backlog_by_replica == ()
 
 
 def test_routers_peaks_add_up_per_window_both_report() -> None:

@@ -239,6 +239,8 @@ def dispatched_series(body: str) -> dict[str, float]:
 async def test_routed_backlog_shows_under_its_replica_until_the_first_token(
     svc: Service, stream: bool
 ) -> None:
+    from autoscaler.controller import parse_router_metrics
+
     svc.fakes.hold = asyncio.Event()
     pending = asyncio.create_task(
         svc.client.post("/v1/chat/completions", json=chat(max_tokens=3, stream=stream))
@@ -249,6 +251,7 @@ async def test_routed_backlog_shows_under_its_replica_until_the_first_token(
     assert backlog > 0
     body = (await svc.client.get("/metrics")).text
     assert dispatched_series(body) == {replica: pytest.approx(backlog)}
+    assert parse_router_metrics(body, MODEL).dispatched == {replica: pytest.approx(backlog)}
     svc.fakes.hold.set()
     assert (await pending).status_code == 200
     # the first token took it out of the backlog: its series is gone, not left at zero
