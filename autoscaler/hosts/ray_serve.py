@@ -22,16 +22,22 @@ Each call, `ServeAutoscaler`:
      `record_autoscaling_stats`): per replica, the latest value of each counter minus the value
      at the last decision (a lower value: the counter restarted; a replica first seen after the
      first decision: its whole count); gauges summed over replicas. The first decision only
-     sets the baselines (NO_DATA).
+     sets the baselines (NO_DATA). Each replica's `cp_backlog_work_seconds` waits at that
+     replica (the handle already gave it the requests), so it is also the sample's
+     `backlog_by_replica` (positive, descending).
    - `ongoing` demand (nothing reported): Ray's `total_num_requests` L and
      `total_queued_requests` Q (window averages) with a per-request work estimate: arrivals
      `λ = (L - Q) / request_latency_s` (Little), arrived work `λ·interval·(prefill + decode work
-     per request)`, backlog `Q` requests of the same work.
+     per request)`, backlog `Q` requests of the same work. Ray's queued requests wait at the
+     handle, where any replica can take them: `backlog_by_replica` stays empty.
    - `auto` (default): `metrics` once any replica reports `cp_demand_arrivals_total`, else
      `ongoing`.
    - `ingress`: the `metrics` rule over the counters the INGRESS deployment's replicas report
      (`ingress_deployment`, same application), read from the controller's demand board
-     (`autoscaler/hosts/ray_ingress.py`); none posted within `ingress_stale_s`: NO_DATA.
+     (`autoscaler/hosts/ray_ingress.py`); none posted within `ingress_stale_s`: NO_DATA. An
+     ingress replica's backlog is not at one engine replica, and it learns a request's engine
+     replica only with its first chunk (router/serve/ingress.py `adopt`), when the request has
+     left the backlog: `backlog_by_replica` stays empty.
 4. NO_DATA holds Ray's target; otherwise `policy.decide(ctx, state, now)` with `now` =
    `ctx.current_time`. The policy's state and ours live in Ray's `policy_state` (one key).
 """
@@ -47,7 +53,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from autoscaler.controller import counter_delta, load_policy
+from autoscaler.controller import backlog_by_replica, counter_delta, load_policy
 from autoscaler.demand import PEAK_REQUESTS, PEAK_WINDOWS_S, PEAK_WORK, sum_peaks
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.hosts.ray_ingress import board
@@ -192,9 +198,11 @@ def _latest(raw: dict[str, dict[Any, Any]], name: str) -> dict[str, float]:
 
 
 def metrics_sample(
-    raw: dict[str, dict[Any, Any]], st: AdapterState, now: float
+    raw: dict[str, dict[Any, Any]], st: AdapterState, now: float, *, at_replicas: bool = True
 ) -> tuple[DemandSample, dict[str, dict[str, float]]]:
-    """The interval's demand from the replicas' reported counters; the new baselines."""
+    """The interval's demand from the replicas' reported counters; the new baselines.
+    `at_replicas`: the reporting replicas serve the requests they meter (the engine's own, not
+    the ingress's), so each one's backlog is `backlog_by_replica`."""
     latest = {name: _latest(raw, name) for name in (*COUNTERS, *GAUGES, *PEAK_GAUGES)}
     current = {
         rid: {name: latest[name].get(rid, 0.0) for name in COUNTERS} for rid in latest[ARRIVALS]
@@ -226,6 +234,7 @@ def metrics_sample(
         decode_work_s=sums[DECODE],
         backlog_requests=round(gauges[BACKLOG_REQUESTS]),
         backlog_work_s=gauges[BACKLOG_WORK],
+        backlog_by_replica=backlog_by_replica(latest[BACKLOG_WORK]) if at_replicas else (),
         in_flight=round(in_flight),
         in_flight_avg=in_flight,
         prefill_mean_s=sums[PREFILL] / arrivals if arrivals else 0.0,
@@ -288,7 +297,7 @@ class ServeAutoscaler:
         if raw is None:  # the ingress posted nothing lately: hold, and baseline afresh
             sample, baselines = DemandSample(t_s=now, interval_s=0.0), None
         elif cfg.demand in ("metrics", "ingress") or (cfg.demand == "auto" and ARRIVALS in raw):
-            sample, baselines = metrics_sample(raw, st, now)
+            sample, baselines = metrics_sample(raw, st, now, at_replicas=cfg.demand != "ingress")
         else:
             interval = cfg.tick_s if st.last_tick is None else now - st.last_tick
             sample = ongoing_sample(ctx, cfg, interval, now)

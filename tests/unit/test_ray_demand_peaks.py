@@ -1,6 +1,7 @@
-"""Sub-tick peaks on Ray Serve: a replica's `DemandTotals.stats()` carries its meter's
-`recent_peaks` as one gauge per window, and `metrics_sample` adds them up over the replicas
-(only windows every replica reports) into the sample's `prefill_peaks`."""
+"""What `metrics_sample` reads of the replicas' `DemandTotals.stats()` on Ray Serve beyond the
+sums: the sub-tick peaks (one gauge per window of the meter's `recent_peaks`, added up over the
+replicas, only windows every replica reports, into `prefill_peaks`) and each engine replica's
+own backlog (`backlog_by_replica`; an ingress's backlog is at no engine replica)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ def raw(**replicas: dict[str, float]) -> dict[str, dict[Any, list[Point]]]:
     return {n: {rid: [Point(s[n])] for rid, s in replicas.items() if n in s} for n in names}
 
 
-def totals(arrivals: int, peaks: tuple[tuple[float, float, int], ...]) -> dict[str, float]:
+def totals(
+    arrivals: int, peaks: tuple[tuple[float, float, int], ...], backlog_work_s: float = 0.0
+) -> dict[str, float]:
     t = DemandTotals()
     t.arrived(0.1 * arrivals, 0.2 * arrivals, arrivals)
-    t.set_load(backlog_requests=0, backlog_work_s=0.0, in_flight=0, peaks=peaks)
+    t.set_load(
+        backlog_requests=round(backlog_work_s), backlog_work_s=backlog_work_s, in_flight=0,
+        peaks=peaks,
+    )  # fmt: skip
     return t.stats()
 
 
@@ -53,3 +59,19 @@ def test_replicas_peaks_add_up_per_window(
     assert [work for _, work, _ in sample.prefill_peaks] == pytest.approx(
         [work for _, work, _ in expected]
     )
+
+
+@pytest.mark.parametrize(
+    ("at_replicas", "expected"),
+    [(True, (3.0, 1.5)), (False, ())],  # engine replicas (metrics); ingress replicas
+)
+def test_each_engine_replicas_backlog_waits_at_it(
+    at_replicas: bool, expected: tuple[float, ...]
+) -> None:
+    st = AdapterState(None, LoadTimes(default_s=60.0))
+    _, baselines = metrics_sample(raw(a=totals(10, ()), b=totals(20, ())), st, 0.0)
+    st = AdapterState(None, LoadTimes(default_s=60.0), last_tick=0.0, baselines=baselines)
+    now = raw(a=totals(15, (), 1.5), b=totals(25, (), 3.0), c=totals(5, (), 0.0))
+    sample, _ = metrics_sample(now, st, 5.0, at_replicas=at_replicas)
+    assert sample.backlog_work_s == 4.5
+    assert sample.backlog_by_replica == expected

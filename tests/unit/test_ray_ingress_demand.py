@@ -2,7 +2,8 @@
 
 Without a cluster: the ingress's policy posts its replicas' reported counters on the board and
 holds the ingress's replica count; the engine's adapter with `demand="ingress"` turns them into
-the same sample as its own replicas' counters; nothing posted (or posted too long ago) holds the
+the same sample as its own replicas' counters (but for the backlog, which only an engine
+replica's own report places at that replica); nothing posted (or posted too long ago) holds the
 target and re-baselines; and both policies still meet on the one board when Serve ships their
 modules by value (cloudpickle, as `AutoscalingPolicy.serialize_policy` does).
 """
@@ -128,7 +129,26 @@ def test_engine_reads_the_ingress_demand() -> None:
     s = seen.sample
     assert (s.interval_s, s.arrivals, s.in_flight) == (2.0, 6, 4)
     assert (s.prefill_work_s, s.decode_work_s, s.backlog_work_s) == (3.0, 5.0, 0.5)
+    assert s.backlog_by_replica == ()  # the ingress's backlog is at no engine replica
     assert target == 4 and state[STATE_KEY].target == 4
+
+
+@pytest.mark.parametrize(("demand", "by_replica"), [("metrics", (2.0, 0.5)), ("ingress", ())])
+def test_only_engine_replicas_place_their_backlog(
+    demand: str, by_replica: tuple[float, ...]
+) -> None:
+    engine = Engine(policy="need", tick_s=1.0, demand=demand)
+    ingress = IngressDemand()
+    t0 = {ARRIVALS: 10.0, PREFILL: 1.0, DECODE: 2.0, BACKLOG_WORK: 0.0}
+    state: dict[str, Any] = {}
+    # the same reports, from the engine's replicas (metrics) or the ingress's (ingress)
+    for now, b1, b2 in ((0.0, 0.0, 0.0), (2.0, 0.5, 2.0)):
+        stats = reported(r1={**t0, BACKLOG_WORK: b1}, r2={**t0, BACKLOG_WORK: b2})
+        ingress(ctx("ingress", now, {}, raw_metrics=stats))
+        _, state = engine(ctx("engine", now, state, raw_metrics=stats))
+    (seen,) = engine.seen
+    assert seen.sample.backlog_work_s == 2.5
+    assert seen.sample.backlog_by_replica == by_replica
 
 
 def test_no_ingress_demand_holds_and_rebaselines() -> None:
