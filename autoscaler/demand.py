@@ -6,8 +6,8 @@ simulator's routers):
     arrived(id, prompt, predicted_output, now)   work is priced at arrival with `SloCapacity`:
                                                  prefill P(prompt), decode D(predicted output);
                                                  the request joins the backlog and in-flight set
-    dispatched(id, replica, now)                 a router sent it to `replica` (optional: a host
-                                                 that dispatches on arrival, or cannot tell)
+    dispatched(id, replica, now)                 a router sent it to `replica` (again: moved
+                                                 there; optional: a host that cannot tell)
     started(id, now)                             it left the backlog (a replica began its prefill)
     first_token(id, now)                         TTFT observed (for reports, not for decisions)
     finished(id, now)                            it leaves in-flight (and the backlog, if it never
@@ -180,11 +180,13 @@ class DemandMeter:
         return prefill, decode
 
     def dispatched(self, request_id: str, replica: str, now: float) -> None:
-        """A router sent the request to `replica`: its backlog now waits there (once; a
-        request already started, finished or dispatched is left as it is)."""
+        """A router sent the request to `replica`: its backlog now waits there (a reroute
+        moves it; a request already started or finished is left as it is)."""
         entry = self._open.get(request_id)
-        if entry is None or entry.started or entry.replica is not None:
+        if entry is None or entry.started or entry.replica == replica:
             return
+        if entry.replica is not None:
+            self._unpin(entry)
         entry.replica = replica
         self._pinned[replica] = self._pinned.get(replica, 0.0) + entry.work_s
         self._pinned_n[replica] = self._pinned_n.get(replica, 0) + 1
@@ -212,14 +214,18 @@ class DemandMeter:
     def _leave_backlog(self, entry: _Open) -> None:
         self._backlog_n -= 1
         self._backlog_work = max(0.0, self._backlog_work - entry.work_s) if self._backlog_n else 0.0
+        if entry.replica is not None:
+            self._unpin(entry)
+
+    def _unpin(self, entry: _Open) -> None:
         rep = entry.replica
-        if rep is not None:
-            left = self._pinned_n[rep] - 1
-            if left:
-                self._pinned_n[rep] = left
-                self._pinned[rep] = max(0.0, self._pinned[rep] - entry.work_s)
-            else:
-                del self._pinned_n[rep], self._pinned[rep]
+        assert rep is not None
+        left = self._pinned_n[rep] - 1
+        if left:
+            self._pinned_n[rep] = left
+            self._pinned[rep] = max(0.0, self._pinned[rep] - entry.work_s)
+        else:
+            del self._pinned_n[rep], self._pinned[rep]
 
     # -- reading ---------------------------------------------------------------------------------
     def recent_peaks(self, now: float) -> tuple[tuple[float, float, int], ...]:

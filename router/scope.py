@@ -107,7 +107,7 @@ class RequestScope:
     # the `status` label: an HTTP status, or client_closed / upstream_died
     status: str = ""
     _admitted: bool = field(default=False, repr=False)
-    _routed_told: bool = field(default=False, repr=False)
+    _routed_told: str | None = field(default=None, repr=False)  # the replica the hooks know
 
     @property
     def ended(self) -> bool:
@@ -122,12 +122,12 @@ class RequestScope:
 
     def routed_to(self, routed: Routed) -> None:
         """The request's replica is chosen (by this router, or by Serve's request router as the
-        ingress learns it): `routed` is the scope's; the hooks hear of it once, never after
-        the end (a reroute keeps the replica they were told)."""
+        ingress learns it, or again after a reroute): `routed` is the scope's; the hooks hear
+        of each new replica once, never after the end."""
         self.routed = routed
-        if self._routed_told or self.ended:
+        if self._routed_told == routed.replica_id or self.ended:
             return
-        self._routed_told = True
+        self._routed_told = routed.replica_id
         for h in self.hooks:
             h.on_routed(self)
 

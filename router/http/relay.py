@@ -183,6 +183,7 @@ class Exchange:
                     raise _refusal(exc.kind, refused) from None
                 if await core.reroute(routed) is None:
                     raise _refusal(exc.kind, f"{refused}; no other replica to retry on") from None
+                scope.routed_to(routed)  # its backlog now waits on the new replica
                 if scope.ticket is not None:
                     rt.fairq.place(scope.ticket, routed.replica_id, rt.profile_of(routed))
                 proxy.budget.spend()  # an ejection's retry spends a token when there is one

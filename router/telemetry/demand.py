@@ -11,8 +11,7 @@ router:
 The live router cannot see when a replica begins a prefill, so its backlog is "accepted and no
 first token yet": the router's queue, the replicas' waiting queues and the prefills in progress.
 The part already routed waits at (or runs on) its replica, which alone can serve it: it is also
-exported per replica. A reroute (the replica never accepted it) leaves it where it was first
-sent (`DemandMeter.dispatched` is once per request) until its first token or end. The Serve
+exported per replica (a reroute, the replica never accepted it, moves it). The Serve
 ingress learns a request's replica only with its first chunk (router/serve/ingress.py `adopt`):
 there the per-replica part stays empty.
 

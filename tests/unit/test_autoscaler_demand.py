@@ -114,7 +114,9 @@ def test_dispatched_backlog_is_kept_per_replica_until_it_starts() -> None:
     m.dispatched("a0", "r1", 0.1)
     m.dispatched("a1", "r1", 0.1)
     m.dispatched("a2", "r2", 0.1)
-    m.dispatched("a2", "r1", 0.2)  # a request is dispatched once: later calls are ignored
+    m.dispatched("a2", "r1", 0.2)  # a reroute moves it ...
+    m.dispatched("a2", "r2", 0.3)  # ... and back
+    m.dispatched("a2", "r2", 0.3)  # the same replica again changes nothing
     m.dispatched("unknown", "r1", 0.2)
     s = m.sample(1.0)
     assert s.backlog_work_s == pytest.approx(4 * w)

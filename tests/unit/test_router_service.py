@@ -287,3 +287,30 @@ def test_a_replicas_dispatched_series_goes_when_its_last_request_leaves(leave: s
     getattr(demand, leave)("r2")
     assert series() == {}
     assert demand.meters[MODEL].backlog_work_s == pytest.approx(w)  # "held": still at the router
+
+
+def test_a_reroute_tells_the_hooks_the_new_replica_once() -> None:
+    from types import SimpleNamespace
+
+    from controlplane.tenancy.model import Tenant
+    from router.scope import NoHooks, Outcome, RequestScope
+
+    class Seen(NoHooks):
+        def __init__(self) -> None:
+            self.replicas: list[str] = []
+
+        def on_routed(self, scope: RequestScope) -> None:
+            assert scope.routed is not None
+            self.replicas.append(scope.routed.replica_id)
+
+    seen = Seen()
+    scope = RequestScope("req", Tenant("t"), MODEL, (seen,), 0.0)
+    routed = SimpleNamespace(replica_id="a")
+    scope.routed_to(routed)  # type: ignore[arg-type]
+    scope.routed_to(routed)  # type: ignore[arg-type]  # the same replica: told once
+    routed.replica_id = "b"  # the reroute moves the same Routed
+    scope.routed_to(routed)  # type: ignore[arg-type]
+    scope.end(Outcome.COMPLETED, "200")
+    routed.replica_id = "c"
+    scope.routed_to(routed)  # type: ignore[arg-type]  # never after the end
+    assert seen.replicas == ["a", "b"]
