@@ -16,6 +16,7 @@ BENCHES = (
     "routing_matrix.py",
     # after routing_matrix: it reads out/bench/routing_matrix.json for the saturated loads
     "sim_speed.py",
+    "sim_native.py",
     "index_bench.py",
     "router_overhead.py",
     "live_quality.py",

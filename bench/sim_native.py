@@ -1,0 +1,134 @@
+"""The simulator compiled with mypyc against the pure-Python one, on the same replays.
+
+Builds the compiled tree into out/native (`controlplane.sim.native.build`, about a minute),
+then replays each case once per tree in a fresh interpreter (the tree first on `sys.path`) and
+reports CPU seconds, the speed-up over real time and whether the two replays match bit for bit
+(sha256 of every request's id, replica, TTFT and end). Cases: the Mooncake synthetic trace at
+1x on 8 x H100 at block 16 (`sim_speed.py`'s headline) with `prefix_affinity` and
+`predicted_finish`, and the conversations workload at its saturated load (1.5x the knee of
+7.42x) on 8 replicas, its first 200 s. Prints a table and writes out/bench/sim_native.json.
+
+    PYTHONPATH=. python bench/sim_native.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from common import console, out_dir, print_table, write_json
+
+from controlplane.sim.native import build, package_root
+
+REPLAY = """
+import hashlib, json, sys, time
+from controlplane.routing.policies import make_policy
+from controlplane.roofline import profile
+from controlplane.sim import fleet
+from controlplane.sim.fleet import FleetConfig, FleetSim
+from controlplane.sim.ids import dense_block_ids
+from controlplane.sim.matrix import workload
+from controlplane.sim.native import is_compiled
+from controlplane.traces import load_trace
+from controlplane.traces.model import Trace
+name, policy, load, span = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+tr = load_trace("mooncake") if name == "mooncake" else workload(name, 0, 8, load)
+if span > 0:
+    tr = Trace(tr.name, tuple(r for r in tr.requests if r.arrival_s < span))
+prof = profile("h100", "llama-3.1-8b", block_size=16)
+c0 = time.process_time()
+ids, floor = dense_block_ids(tr, 16)
+res = FleetSim(FleetConfig(profile=prof, replicas=8), lambda: make_policy(policy)).run(
+    tr, block_ids=ids, id_floor=floor
+)
+cpu = time.process_time() - c0
+rows = [(r.request_id, r.replica, r.ttft_s, r.finish_s, r.rejected) for r in res.records]
+print(json.dumps({
+    "requests": len(rows), "span_s": tr.duration_s, "cpu_s": cpu,
+    "digest": hashlib.sha256(repr(rows).encode()).hexdigest(), "compiled": is_compiled(fleet),
+}))
+"""
+
+# (label, workload, policy, load multiple, span s: 0 = whole trace)
+CASES: tuple[tuple[str, str, str, float, float], ...] = (
+    ("mooncake 1x", "mooncake", "prefix_affinity", 1.0, 0.0),
+    ("mooncake 1x", "mooncake", "predicted_finish", 1.0, 0.0),
+    ("conversations saturated, 200 s", "conversations", "prefix_affinity", 7.42 * 1.5, 200.0),
+)
+
+
+def replay(root: Path, case: tuple[str, str, str, float, float]) -> dict[str, object]:
+    _, name, policy, load, span = case
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", REPLAY, name, policy, str(load), str(span)],
+        cwd=root,
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    with console.status("building the compiled simulator (mypyc)"):
+        tree = build(out_dir() / "native")
+    rows, cases = [], []
+    for case in CASES:
+        with console.status(f"{case[0]}, {case[2]}: pure Python, then compiled"):
+            pure, comp = replay(package_root(), case), replay(tree, case)
+        span = float(pure["span_s"])  # type: ignore[arg-type]
+        p_cpu, c_cpu = float(pure["cpu_s"]), float(comp["cpu_s"])  # type: ignore[arg-type]
+        same = pure["digest"] == comp["digest"]
+        cases.append(
+            {
+                "case": case[0],
+                "policy": case[2],
+                "requests": pure["requests"],
+                "span_s": span,
+                "python_cpu_s": p_cpu,
+                "compiled_cpu_s": c_cpu,
+                "python_speedup": span / p_cpu,
+                "compiled_speedup": span / c_cpu,
+                "bit_identical": same,
+                "compiled": comp["compiled"],
+            }
+        )
+        rows.append(
+            (
+                case[0],
+                case[2],
+                pure["requests"],
+                f"{p_cpu:.2f}",
+                f"{c_cpu:.2f}",
+                f"{span / p_cpu:.0f}x",
+                f"{span / c_cpu:.0f}x",
+                f"{p_cpu / c_cpu:.2f}x",
+                "yes" if same else "NO",
+            )
+        )
+    print_table(
+        "the simulator compiled with mypyc vs pure Python (8 replicas, block 16, one core)",
+        [
+            "case",
+            "policy",
+            "requests",
+            "Python CPU s",
+            "compiled CPU s",
+            "Python vs real time",
+            "compiled vs real time",
+            "gain",
+            "bit-identical",
+        ],
+        rows,
+    )
+    write_json("sim_native.json", {"cases": cases})
+
+
+if __name__ == "__main__":
+    main()

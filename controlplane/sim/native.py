@@ -1,0 +1,88 @@
+"""The simulator compiled with mypyc: the same source, built into a separate tree.
+
+The simulator's hot path (block pool, scheduler, engine, fleet loop, the routing books and
+the prefix-affinity policy) is strict-typed Python, which mypyc compiles to C extensions as it
+is. `build(dest)` copies the `controlplane` package to `dest` and compiles `NATIVE_MODULES`
+there in place (a C compiler and the Python headers are needed; about a minute), so the source
+tree never holds an extension module that would shadow an edited `.py` (an extension module
+wins the import). A process with `dest` first on `sys.path` runs the compiled simulator; the
+pure-Python one stays the reference, and a replay must match it bit for bit
+(tests/unit/test_sim_native.py).
+
+`controlplane/types.py` is not compiled: its memo field (`_memo: object = field(...)`) does
+not import under mypyc.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+NATIVE_MODULES: tuple[str, ...] = (
+    "controlplane/sim/block_pool.py",
+    "controlplane/sim/scheduler.py",
+    "controlplane/sim/request.py",
+    "controlplane/sim/engine.py",
+    "controlplane/sim/engine_index.py",
+    "controlplane/sim/fleet.py",
+    "controlplane/sim/ids.py",
+    "controlplane/routing/books.py",
+    "controlplane/routing/ledger.py",
+    "controlplane/routing/load.py",
+    "controlplane/routing/predictor.py",
+    "controlplane/routing/ab.py",
+    "controlplane/routing/policies/common.py",
+    "controlplane/routing/policies/prefix_affinity.py",
+)
+
+
+def package_root() -> Path:
+    """The directory holding the `controlplane` package of this process."""
+    return Path(__file__).resolve().parents[2]
+
+
+def available() -> str | None:
+    """Why the compiled simulator cannot be built here (None: it can)."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        return "no C compiler (cc, gcc) on PATH"
+    try:
+        import mypyc  # noqa: F401
+    except ImportError:
+        return "mypyc is not installed (it ships with mypy: the dev extra)"
+    return None
+
+
+def build(dest: Path) -> Path:
+    """Copy the package to `dest` and compile `NATIVE_MODULES` there; returns `dest`."""
+    why = available()
+    if why is not None:
+        raise RuntimeError(f"cannot build the compiled simulator: {why}")
+    dest.mkdir(parents=True, exist_ok=True)
+    pkg = dest / "controlplane"
+    if pkg.exists():
+        shutil.rmtree(pkg)
+    shutil.copytree(
+        package_root() / "controlplane",
+        pkg,
+        ignore=shutil.ignore_patterns("__pycache__", "*.so"),
+    )
+    # mypyc builds through setuptools from the current directory: `dest` has no
+    # pyproject.toml, so the project's own packaging metadata is not read
+    subprocess.run(
+        [sys.executable, "-m", "mypyc", *NATIVE_MODULES],
+        cwd=dest,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return dest
+
+
+def is_compiled(module: object) -> bool:
+    """True when `module` was loaded from an extension module."""
+    path = getattr(module, "__file__", "") or ""
+    return path.endswith((".so", ".pyd"))
+
+
+__all__ = ["NATIVE_MODULES", "available", "build", "is_compiled", "package_root"]
