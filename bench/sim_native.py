@@ -13,15 +13,11 @@ reports CPU seconds, the speed-up over real time and whether the two replays mat
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from common import console, out_dir, print_table, write_json
 
-from controlplane.sim.native import build, package_root
+from controlplane.sim.native import build, package_root, run_in
 
 REPLAY = """
 import hashlib, json, sys, time
@@ -62,17 +58,7 @@ CASES: tuple[tuple[str, str, str, float, float], ...] = (
 
 def replay(root: Path, case: tuple[str, str, str, float, float]) -> dict[str, object]:
     _, name, policy, load, span = case
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, "-c", REPLAY, name, policy, str(load), str(span)],
-        cwd=root,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+    return run_in(root, REPLAY, name, policy, str(load), str(span))
 
 
 def main() -> None:

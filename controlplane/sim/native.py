@@ -15,10 +15,13 @@ not import under mypyc.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 NATIVE_MODULES: tuple[str, ...] = (
     "controlplane/sim/block_pool.py",
@@ -79,10 +82,29 @@ def build(dest: Path) -> Path:
     return dest
 
 
+def run_in(root: Path, code: str, *args: str) -> dict[str, Any]:
+    """Run `code` in a fresh interpreter with `root` first on `sys.path` (the pure-Python tree,
+    `package_root()`, or a built one) and this process's data dir (a built tree would look for
+    the traces beside itself); returns the JSON object its last output line holds."""
+    from controlplane.settings import get_settings
+
+    data = str(get_settings().data_dir)
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "CP_DATA_DIR": data},
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
 def is_compiled(module: object) -> bool:
     """True when `module` was loaded from an extension module."""
     path = getattr(module, "__file__", "") or ""
     return path.endswith((".so", ".pyd"))
 
 
-__all__ = ["NATIVE_MODULES", "available", "build", "is_compiled", "package_root"]
+__all__ = ["NATIVE_MODULES", "available", "build", "is_compiled", "package_root", "run_in"]

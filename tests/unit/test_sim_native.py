@@ -3,15 +3,11 @@ pure-Python one, which stays the reference."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from controlplane.sim.native import NATIVE_MODULES, available, build, package_root
+from controlplane.sim.native import NATIVE_MODULES, available, build, package_root, run_in
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
 
@@ -43,20 +39,6 @@ print(json.dumps({
 """
 
 
-def replay(root: Path, *args: str) -> dict[str, object]:
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(
-        [sys.executable, "-c", REPLAY, *args],
-        cwd=root,
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
-
-
 @pytest.fixture(scope="module")
 def native_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("native"))
@@ -81,8 +63,8 @@ def test_compiled_replay_is_bit_identical(
     native_tree: Path, workload: str, policy: str, load: float
 ) -> None:
     args = (workload, policy, str(load), "20")
-    pure = replay(package_root(), *args)
-    compiled = replay(native_tree, *args)
+    pure = run_in(package_root(), REPLAY, *args)
+    compiled = run_in(native_tree, REPLAY, *args)
     assert pure["compiled"] == [False, False, False]
     assert compiled["compiled"] == [True, True, True]
     assert pure["requests"] == compiled["requests"] and pure["requests"]
