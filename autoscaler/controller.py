@@ -47,7 +47,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK, sum_peaks
+from autoscaler.demand import PEAK_REQUESTS, PEAK_WORK, backlog_by_replica, sum_peaks
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.router_urls import RouterUrls
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
@@ -153,11 +153,6 @@ def parse_router_metrics(text: str, model: str = "") -> RouterReading:
     return RouterReading(counters, gauges, peaks, dispatched)
 
 
-def backlog_by_replica(work: Mapping[str, float]) -> tuple[float, ...]:
-    """`DemandSample.backlog_by_replica` of per-replica backlog work: the positive, descending."""
-    return tuple(sorted((w for w in work.values() if w > 0), reverse=True))
-
-
 def counter_delta(prev: float, cur: float) -> float:
     """Increase of a counter between two readings; a decrease means it restarted from 0."""
     return cur - prev if cur >= prev else cur
@@ -192,10 +187,6 @@ class DemandAccumulator:
         arrivals = round(sums["arrivals"])
         # routers' peaks add up; a window some router does not report is left out
         peaks = sum_peaks([(w, work, n) for w, (work, n) in r.peaks.items()] for r in ok.values())
-        by_replica: dict[str, float] = {}
-        for r in ok.values():
-            for replica, work in r.dispatched.items():
-                by_replica[replica] = by_replica.get(replica, 0.0) + work
         return DemandSample(
             t_s=now,
             interval_s=interval,
@@ -204,7 +195,7 @@ class DemandAccumulator:
             decode_work_s=sums["decode"],
             backlog_requests=round(gauges["cp_backlog_requests"]),
             backlog_work_s=gauges["cp_backlog_work_seconds"],
-            backlog_by_replica=backlog_by_replica(by_replica),
+            backlog_by_replica=backlog_by_replica(r.dispatched for r in ok.values()),
             in_flight=round(in_flight),
             in_flight_avg=avg,
             prefill_mean_s=sums["prefill"] / arrivals if arrivals else 0.0,
@@ -459,7 +450,6 @@ __all__ = [
     "RouterReading",
     "RouterScraper",
     "TickResult",
-    "backlog_by_replica",
     "counter_delta",
     "load_policy",
     "parse_router_metrics",

@@ -43,7 +43,7 @@ its samples are pure.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,6 +110,17 @@ def sum_peaks(
             w: (work + mine[w][0], n + mine[w][1]) for w, (work, n) in totals.items() if w in mine
         }
     return tuple((w, work, round(n)) for w, (work, n) in sorted((totals or {}).items()))
+
+
+def backlog_by_replica(parts: Iterable[Mapping[str, float]]) -> tuple[float, ...]:
+    """`DemandSample.backlog_by_replica` from per-replica dispatched backlog work reported by
+    several parts (routers that send to the same replicas): added up per replica, the positive
+    ones, descending."""
+    totals: dict[str, float] = {}
+    for part in parts:
+        for replica, work in part.items():
+            totals[replica] = totals.get(replica, 0.0) + work
+    return tuple(sorted((w for w in totals.values() if w > 0), reverse=True))
 
 
 @dataclass(slots=True)
@@ -270,7 +281,7 @@ class DemandMeter:
             decode_work_s=self._decode,
             backlog_requests=self._backlog_n,
             backlog_work_s=self._backlog_work,
-            backlog_by_replica=tuple(sorted(self._pinned.values(), reverse=True)),
+            backlog_by_replica=backlog_by_replica([self._pinned]),
             in_flight=len(self._open),
             in_flight_avg=self._area / interval if interval > 0 else float(len(self._open)),
             prefill_mean_s=mean,
@@ -285,4 +296,11 @@ class DemandMeter:
         return sample
 
 
-__all__ = ["PEAK_REQUESTS", "PEAK_WINDOWS_S", "PEAK_WORK", "DemandMeter", "sum_peaks"]
+__all__ = [
+    "PEAK_REQUESTS",
+    "PEAK_WINDOWS_S",
+    "PEAK_WORK",
+    "DemandMeter",
+    "backlog_by_replica",
+    "sum_peaks",
+]

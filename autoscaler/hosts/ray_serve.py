@@ -53,8 +53,14 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from autoscaler.controller import backlog_by_replica, counter_delta, load_policy
-from autoscaler.demand import PEAK_REQUESTS, PEAK_WINDOWS_S, PEAK_WORK, sum_peaks
+from autoscaler.controller import counter_delta, load_policy
+from autoscaler.demand import (
+    PEAK_REQUESTS,
+    PEAK_WINDOWS_S,
+    PEAK_WORK,
+    backlog_by_replica,
+    sum_peaks,
+)
 from autoscaler.hosts import FleetObservation, LoadTimes
 from autoscaler.hosts.ray_ingress import board
 from autoscaler.types import DemandSample, ScaleContext, ScaleDecision, ScaleReason, ScalingPolicy
@@ -234,7 +240,7 @@ def metrics_sample(
         decode_work_s=sums[DECODE],
         backlog_requests=round(gauges[BACKLOG_REQUESTS]),
         backlog_work_s=gauges[BACKLOG_WORK],
-        backlog_by_replica=backlog_by_replica(latest[BACKLOG_WORK]) if at_replicas else (),
+        backlog_by_replica=backlog_by_replica([latest[BACKLOG_WORK]]) if at_replicas else (),
         in_flight=round(in_flight),
         in_flight_avg=in_flight,
         prefill_mean_s=sums[PREFILL] / arrivals if arrivals else 0.0,
