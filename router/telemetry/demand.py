@@ -108,19 +108,10 @@ class RouterDemand:
         self.in_flight = Gauge(
             "cp_in_flight_requests", "Admitted requests not finished.", ["model"], registry=r
         )
-        self.backlog_dispatched = Gauge(
-            "cp_backlog_dispatched_work_seconds",
-            "Work of admitted requests without a first token yet that were routed to the "
-            "replica (replica-seconds at the SLO).",
-            ["model", "replica"],
-            registry=r,
-        )
-        # model -> the replicas whose cp_backlog_dispatched_work_seconds series exist
-        self._dispatched_to: dict[str, frozenset[str]] = {}
         r.register(self)
 
-    # -- the sub-tick peaks, computed when scraped -------------------------------------------------
-    def _peak_families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    # -- the sub-tick peaks and the per-replica backlog, computed when scraped --------------------
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
         work = GaugeMetricFamily(
             PEAK_WORK,
             "Most prefill work (replica-seconds at the SLO) that arrived within window_s "
@@ -132,21 +123,32 @@ class RouterDemand:
             "Requests in the window of cp_demand_prefill_peak_work_seconds.",
             labels=["model", "window_s"],
         )
-        return work, reqs
+        # a series only for the replicas holding some: read from the meters when scraped, so
+        # the request path does not walk the replicas and no series is left behind at zero
+        dispatched = GaugeMetricFamily(
+            "cp_backlog_dispatched_work_seconds",
+            "Work of admitted requests without a first token yet that were routed to the "
+            "replica (replica-seconds at the SLO).",
+            labels=["model", "replica"],
+        )
+        return work, reqs, dispatched
 
     def describe(self) -> Iterator[Metric]:
-        yield from self._peak_families()
+        yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        work, reqs = self._peak_families()
+        work, reqs, dispatched = self._families()
         now = self.clock()
         for model, meter in sorted(self.meters.items()):
             for w, peak, n in meter.recent_peaks(now):
                 window = f"{w:g}"
                 work.add_metric([model, window], peak)
                 reqs.add_metric([model, window], float(n))
+            for replica, backlog in sorted(meter.backlog_by_replica.items()):
+                dispatched.add_metric([model, replica], backlog)
         yield work
         yield reqs
+        yield dispatched
 
     def _meter(self, model: str) -> DemandMeter:
         meter = self.meters.get(model)
@@ -158,12 +160,6 @@ class RouterDemand:
         self.backlog_work.labels(model).set(meter.backlog_work_s)
         self.backlog_requests.labels(model).set(meter.backlog_requests)
         self.in_flight.labels(model).set(meter.in_flight)
-        by_replica = meter.backlog_by_replica  # only replicas holding some
-        for replica, work in by_replica.items():
-            self.backlog_dispatched.labels(model, replica).set(work)
-        for replica in self._dispatched_to.get(model, frozenset()) - by_replica.keys():
-            self.backlog_dispatched.remove(model, replica)
-        self._dispatched_to[model] = frozenset(by_replica)
 
     def arrived(self, request_id: str, model: str, prompt_tokens: int, predicted: int) -> None:
         if not self.enabled or request_id in self._model_of:
@@ -182,9 +178,7 @@ class RouterDemand:
         model = self._model_of.get(request_id)
         if model is None:
             return
-        meter = self.meters[model]
-        meter.dispatched(request_id, replica_id, self.clock())
-        self._gauges(model, meter)
+        self.meters[model].dispatched(request_id, replica_id, self.clock())
 
     def first_token(self, request_id: str) -> None:
         model = self._model_of.get(request_id)
