@@ -27,6 +27,20 @@ def out_dir(default: str = "out/bench") -> Path:
     return path
 
 
+NATIVE_HELP = "run on the simulator compiled with mypyc (built into out/bench/native when stale)"
+
+
+def run_compiled(script: str) -> None:
+    """Re-run `script` with this process's arguments, less --native, on the compiled simulator
+    (controlplane.sim.native: the same source, replays bit-identical). Never returns."""
+    from controlplane.sim.native import ensure_built, exec_compiled
+
+    dest = out_dir() / "native"
+    with console.status("building the compiled simulator (mypyc)"):
+        ensure_built(dest)
+    exec_compiled(dest, script, [a for a in sys.argv[1:] if a != "--native"])
+
+
 def machine() -> dict[str, object]:
     return {
         "python": platform.python_version(),

@@ -23,6 +23,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from common import NATIVE_HELP, run_compiled
+
 from controlplane.routing.policies import POLICIES
 from controlplane.sim.matrix import (
     LOADS,
@@ -94,7 +96,10 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=Path("out/pf_cells_cache"))
     ap.add_argument("--json", type=Path, help="write the cells in routing_matrix.json's shape")
     ap.add_argument("--peers-only", action="store_true")
+    ap.add_argument("--native", action="store_true", help=NATIVE_HELP)
     args = ap.parse_args()
+    if args.native:
+        run_compiled(__file__)
     knees = json.loads(args.knees.read_text())["knees"]
     pairs = [tuple(c.split(":")) for c in args.cells.split(",") if c] or [
         (t, ld) for t in WORKLOADS for ld in LOADS

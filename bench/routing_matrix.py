@@ -23,7 +23,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from common import console, out_dir, print_table, save_figure, write_json
+from common import NATIVE_HELP, console, out_dir, print_table, run_compiled, save_figure, write_json
 from rich.progress import Progress
 
 from controlplane.routing.policies import POLICIES
@@ -90,7 +90,10 @@ def main() -> None:
     parser.add_argument("--replicas", default="", help="fleet sizes (default 8; --full: 8,32)")
     parser.add_argument("--span", type=float, help="seconds of arrivals (default 120; --full: 300)")
     parser.add_argument("--out", default="routing_matrix.json", help="JSON name under out/bench")
+    parser.add_argument("--native", action="store_true", help=NATIVE_HELP)
     args = parser.parse_args()
+    if args.native:
+        run_compiled(__file__)
     span = args.span or (300.0 if args.full else 120.0)
     sizes: tuple[int, ...] = (8, 32) if args.full else (8,)
     if args.replicas:

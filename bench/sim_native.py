@@ -17,7 +17,7 @@ from pathlib import Path
 
 from common import console, out_dir, print_table, write_json
 
-from controlplane.sim.native import build, package_root, run_in
+from controlplane.sim.native import ensure_built, package_root, run_in
 
 REPLAY = """
 import hashlib, json, sys, time
@@ -63,7 +63,7 @@ def replay(root: Path, case: tuple[str, str, str, float, float]) -> dict[str, ob
 
 def main() -> None:
     with console.status("building the compiled simulator (mypyc)"):
-        tree = build(out_dir() / "native")
+        tree = ensure_built(out_dir() / "native")
     rows, cases = [], []
     for case in CASES:
         with console.status(f"{case[0]}, {case[2]}: pure Python, then compiled"):

@@ -15,6 +15,7 @@ not import under mypyc.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -38,6 +39,13 @@ NATIVE_MODULES: tuple[str, ...] = (
     "controlplane/routing/ab.py",
     "controlplane/routing/policies/common.py",
     "controlplane/routing/policies/prefix_affinity.py",
+    "controlplane/routing/policies/predicted_finish.py",
+    "controlplane/routing/policies/round_robin.py",
+    "controlplane/routing/policies/least_loaded.py",
+    "controlplane/routing/policies/sglang_cache_aware.py",
+    "controlplane/routing/policies/dynamo_kv_cost.py",
+    "controlplane/routing/policies/llm_d_weighted.py",
+    "controlplane/roofline/step.py",
 )
 
 
@@ -82,6 +90,44 @@ def build(dest: Path) -> Path:
     return dest
 
 
+def source_digest() -> str:
+    """sha256 over every `.py` file of the package (path and content) and the module list."""
+    h = hashlib.sha256(repr(NATIVE_MODULES).encode())
+    pkg = package_root() / "controlplane"
+    for path in sorted(pkg.rglob("*.py")):
+        h.update(str(path.relative_to(pkg)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+STAMP = "native-source.sha256"
+
+
+def ensure_built(dest: Path) -> Path:
+    """`build(dest)` unless `dest` already holds a build of this exact source; returns `dest`."""
+    digest = source_digest()
+    stamp = dest / STAMP
+    if stamp.exists() and stamp.read_text() == digest:
+        return dest
+    build(dest)
+    stamp.write_text(digest)
+    return dest
+
+
+def exec_compiled(dest: Path, script: str, argv: list[str]) -> None:
+    """Replace this process by `script argv` run on the compiled tree at `dest` (built first
+    when stale), with this process's data dir: a bench's `--native` switch. Never returns."""
+    from controlplane.settings import get_settings
+
+    ensure_built(dest)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(dest.resolve()),
+        "CP_DATA_DIR": str(get_settings().data_dir),
+    }
+    os.execve(sys.executable, [sys.executable, script, *argv], env)
+
+
 def run_in(root: Path, code: str, *args: str) -> dict[str, Any]:
     """Run `code` in a fresh interpreter with `root` first on `sys.path` (the pure-Python tree,
     `package_root()`, or a built one) and this process's data dir (a built tree would look for
@@ -107,4 +153,14 @@ def is_compiled(module: object) -> bool:
     return path.endswith((".so", ".pyd"))
 
 
-__all__ = ["NATIVE_MODULES", "available", "build", "is_compiled", "package_root", "run_in"]
+__all__ = [
+    "NATIVE_MODULES",
+    "available",
+    "build",
+    "ensure_built",
+    "exec_compiled",
+    "is_compiled",
+    "package_root",
+    "run_in",
+    "source_digest",
+]

@@ -17,6 +17,7 @@ REPLAY = """
 import hashlib, json, sys
 from controlplane.routing.policies import make_policy
 from controlplane.roofline import profile
+from controlplane.routing.policies import POLICIES
 from controlplane.sim import block_pool, fleet, scheduler
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
@@ -34,7 +35,10 @@ rows = [(r.request_id, r.replica, r.ttft_s, r.finish_s, r.rejected) for r in res
 print(json.dumps({
     "digest": hashlib.sha256(repr(rows).encode()).hexdigest(),
     "requests": len(rows),
-    "compiled": [is_compiled(m) for m in (block_pool, scheduler, fleet)],
+    "compiled": [
+        is_compiled(m)
+        for m in (block_pool, scheduler, fleet, sys.modules[POLICIES[policy].__module__])
+    ],
 }))
 """
 
@@ -54,9 +58,12 @@ def test_every_hot_module_is_built(native_tree: Path) -> None:
     ("workload", "policy", "load"),
     [
         ("conversations", "prefix_affinity", 6.0),  # decode-heavy, saturating 4 replicas
-        ("conversations", "predicted_finish", 6.0),  # a policy left in Python over compiled books
+        ("conversations", "predicted_finish", 6.0),
+        ("conversations", "sglang_cache_aware", 6.0),
         ("shared-prefix-zipf", "round_robin", 3.0),
         ("shared-prefix-zipf", "least_loaded", 4.0),
+        ("shared-prefix-zipf", "dynamo_kv_cost", 4.0),
+        ("shared-prefix-zipf", "llm_d_weighted", 4.0),
     ],
 )
 def test_compiled_replay_is_bit_identical(
@@ -65,7 +72,7 @@ def test_compiled_replay_is_bit_identical(
     args = (workload, policy, str(load), "20")
     pure = run_in(package_root(), REPLAY, *args)
     compiled = run_in(native_tree, REPLAY, *args)
-    assert pure["compiled"] == [False, False, False]
-    assert compiled["compiled"] == [True, True, True]
+    assert pure["compiled"] == [False] * 4
+    assert compiled["compiled"] == [True] * 4
     assert pure["requests"] == compiled["requests"] and pure["requests"]
     assert compiled["digest"] == pure["digest"]
