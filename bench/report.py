@@ -594,6 +594,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "live_quality": ("live_quality.json", live_quality),
     "fairness": ("fairness.json", fairness),
     "sim_saturated": ("sim_speed.json", saturated),
+    "sim_saturated_native": ("sim_speed_native.json", saturated),
     "matrix_summary": ("routing_matrix.json", matrix_summary),
     "matrix_cells": ("routing_matrix.json", matrix_cells),
     "matrix_heldout_summary": ("routing_matrix_heldout.json", matrix_summary),

@@ -15,7 +15,8 @@ on 8 replicas with `prefix_affinity`, and on 32 replicas (four superposed copies
 workloads named by `--wide` (default: mooncake; `--wide all` for every one), reported as replica
 x simulated seconds per CPU second.
 
-Writes out/bench/sim_speed.json.
+Writes out/bench/sim_speed.json; with `--native`, the same on the simulator compiled with mypyc
+(`controlplane.sim.native`, replays bit-identical) into out/bench/sim_speed_native.json.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ import argparse
 import json
 import time
 
-from common import console, out_dir, print_table, write_json
+from common import NATIVE_HELP, console, out_dir, print_table, run_compiled, write_json
 
 from controlplane.roofline import profile
 from controlplane.routing.policies import POLICIES, make_policy
+from controlplane.sim import fleet
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
 from controlplane.sim.matrix import LOADS, WORKLOADS, find_knee, workload
+from controlplane.sim.native import is_compiled
 from controlplane.traces import load_trace, repeat, scale_rate
 from controlplane.traces.model import Trace
 
@@ -83,7 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="skip the 16x length run")
     parser.add_argument("--wide", default="mooncake", help="workloads to run on 32 replicas")
+    parser.add_argument("--native", action="store_true", help=NATIVE_HELP)
     args = parser.parse_args()
+    if args.native:
+        run_compiled(__file__)
+    compiled = is_compiled(fleet)
+    tag = " (compiled, mypyc)" if compiled else ""
     base = load_trace("mooncake")
     headline = []
     for block in (16, 64):
@@ -93,7 +101,7 @@ def main() -> None:
             headline.append(row)
     print_table(
         f"Mooncake synthetic ({len(base)} requests, {base.duration_s:.0f} s) on 8 x H100, "
-        "best of 3",
+        f"best of 3{tag}",
         ["policy", "block", "CPU s", "speed-up vs real time"],
         [(h["policy"], h["block_size"], h["cpu_s"], f"{h['speedup']:.0f}x") for h in headline],
     )
@@ -101,7 +109,7 @@ def main() -> None:
     lengths = (1, 4) if args.quick else (1, 4, 16)
     by_length = [run_once(repeat(base, k), 8, 16, "prefix_affinity") for k in lengths]
     print_table(
-        "wall time vs fleet size (rate scaled with the fleet) and trace length (block 16)",
+        f"wall time vs fleet size (rate scaled with the fleet) and trace length (block 16){tag}",
         ["axis", "requests", "replicas", "trace span s", "CPU s", "speed-up"],
         [
             (
@@ -129,7 +137,7 @@ def main() -> None:
     wide = list(WORKLOADS) if args.wide == "all" else [w for w in args.wide.split(",") if w]
     sat8, sat32 = saturated(wide)
     print_table(
-        "the routing matrix's workloads at their saturated load (prefix_affinity, block 16)",
+        f"the routing matrix's workloads at their saturated load (prefix_affinity, block 16){tag}",
         ["workload", "replicas", "requests", "span s", "CPU s", "speed-up", "replica-s/CPU s"],
         [
             (
@@ -148,8 +156,9 @@ def main() -> None:
     )
     console.print("speed-up = trace span / CPU seconds (one core)")
     write_json(
-        "sim_speed.json",
+        "sim_speed_native.json" if compiled else "sim_speed.json",
         {
+            "compiled": compiled,
             "headline": headline,
             "by_replicas": by_replicas,
             "by_length": by_length,

@@ -310,6 +310,8 @@ class SimEngine:
         n = len(running)
         if batch.preempted or len(batch.scheduled) != n or n == 0:
             return None
+        if batch.tokens != n:  # some request computes more than one token: a prefill chunk
+            return None
         if len(sched.waiting) and not batch.admission_blocked and n < sched.max_num_seqs:
             return None
         if n > sched.max_num_batched_tokens:
@@ -429,7 +431,9 @@ class SimEngine:
         if pool.enable_caching:
             cache_full = self.sched.cache_full
             for req, c in members:
-                cache_full(req, (c + last) // bs)
+                full = (c + last) // bs
+                if full > req.num_cached_blocks:  # most members filled no block since
+                    cache_full(req, full)
 
     def _replay_exact(
         self, members: list[tuple[EngineRequest, int]], first: int, last: int
