@@ -1,4 +1,9 @@
-"""Run every benchmark in order; each prints its table and writes its JSON under --out."""
+"""Run every benchmark in order; each prints its table and writes its JSON under --out.
+
+An entry may carry arguments: the routing matrix runs on the compiled simulator (`--native`,
+bit-identical replays, falls back to pure Python where mypyc or a C compiler is missing), and
+the simulator's speed is measured on both.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +18,10 @@ BENCHES = (
     "roofline_fidelity.py",
     "sim_fidelity.py",
     "routing_quality.py",
-    "routing_matrix.py",
+    "routing_matrix.py --native",
     # after routing_matrix: it reads out/bench/routing_matrix.json for the saturated loads
     "sim_speed.py",
+    "sim_speed.py --native",
     "sim_native.py",
     "index_bench.py",
     "router_overhead.py",
@@ -41,12 +47,14 @@ def main() -> None:
     args = parser.parse_args()
     here = Path(__file__).resolve().parent
     env = {**os.environ, "CP_BENCH_OUT": args.out}
-    chosen = [b for b in BENCHES if not args.only or b.removesuffix(".py") in args.only.split(",")]
+    only = args.only.split(",")
+    chosen = [b for b in BENCHES if not args.only or b.split()[0].removesuffix(".py") in only]
     failed = []
     for bench in chosen:
         print(f"\n=== {bench}", flush=True)
         t0 = time.perf_counter()
-        rc = subprocess.call([sys.executable, str(here / bench)], env=env, cwd=here.parent)
+        script, *extra = bench.split()
+        rc = subprocess.call([sys.executable, str(here / script), *extra], env=env, cwd=here.parent)
         print(
             f"=== {bench}: {'ok' if rc == 0 else f'FAILED ({rc})'} in "
             f"{time.perf_counter() - t0:.0f}s",
