@@ -31,6 +31,10 @@ PLOTS = (
     "fairness.png",
     "routing_matrix_goodput_rps.png",
     "routing_matrix_ttft_p99.png",
+    "routing_matrix_full_x8_goodput_rps.png",
+    "routing_matrix_full_x8_ttft_p99.png",
+    "routing_matrix_full_x32_goodput_rps.png",
+    "routing_matrix_full_x32_ttft_p99.png",
 )
 
 
@@ -598,6 +602,12 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "matrix_summary": ("routing_matrix.json", matrix_summary),
     "matrix_cells": ("routing_matrix.json", matrix_cells),
     "matrix_heldout_summary": ("routing_matrix_heldout.json", matrix_summary),
+    "matrix_full_summary": ("routing_matrix_full_x8.json", matrix_summary),
+    "matrix_full_cells": ("routing_matrix_full_x8.json", matrix_cells),
+    "matrix_full_heldout_summary": ("routing_matrix_full_x8_heldout.json", matrix_summary),
+    "matrix_full32_summary": ("routing_matrix_full_x32.json", matrix_summary),
+    "matrix_full32_cells": ("routing_matrix_full_x32.json", matrix_cells),
+    "matrix_x32_s12_summary": ("routing_matrix_x32_s12.json", matrix_summary),
 }
 
 

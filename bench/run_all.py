@@ -19,7 +19,7 @@ BENCHES = (
     "sim_fidelity.py",
     "routing_quality.py",
     "routing_matrix.py --native",
-    # after routing_matrix: it reads out/bench/routing_matrix.json for the saturated loads
+    # saturated loads: the knees of a 300 s matrix JSON under out/bench, else searched
     "sim_speed.py",
     "sim_speed.py --native",
     "sim_native.py",

@@ -17,36 +17,7 @@ from pathlib import Path
 
 from common import console, out_dir, print_table, write_json
 
-from controlplane.sim.native import ensure_built, package_root, run_in
-
-REPLAY = """
-import hashlib, json, sys, time
-from controlplane.routing.policies import make_policy
-from controlplane.roofline import profile
-from controlplane.sim import fleet
-from controlplane.sim.fleet import FleetConfig, FleetSim
-from controlplane.sim.ids import dense_block_ids
-from controlplane.sim.matrix import workload
-from controlplane.sim.native import is_compiled
-from controlplane.traces import load_trace
-from controlplane.traces.model import Trace
-name, policy, load, span = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-tr = load_trace("mooncake") if name == "mooncake" else workload(name, 0, 8, load)
-if span > 0:
-    tr = Trace(tr.name, tuple(r for r in tr.requests if r.arrival_s < span))
-prof = profile("h100", "llama-3.1-8b", block_size=16)
-c0 = time.process_time()
-ids, floor = dense_block_ids(tr, 16)
-res = FleetSim(FleetConfig(profile=prof, replicas=8), lambda: make_policy(policy)).run(
-    tr, block_ids=ids, id_floor=floor
-)
-cpu = time.process_time() - c0
-rows = [(r.request_id, r.replica, r.ttft_s, r.finish_s, r.rejected) for r in res.records]
-print(json.dumps({
-    "requests": len(rows), "span_s": tr.duration_s, "cpu_s": cpu,
-    "digest": hashlib.sha256(repr(rows).encode()).hexdigest(), "compiled": is_compiled(fleet),
-}))
-"""
+from controlplane.sim.native import ensure_built, package_root, replay_in
 
 # (label, workload, policy, load multiple, span s: 0 = whole trace)
 CASES: tuple[tuple[str, str, str, float, float], ...] = (
@@ -58,7 +29,7 @@ CASES: tuple[tuple[str, str, str, float, float], ...] = (
 
 def replay(root: Path, case: tuple[str, str, str, float, float]) -> dict[str, object]:
     _, name, policy, load, span = case
-    return run_in(root, REPLAY, name, policy, str(load), str(span))
+    return replay_in(root, name, policy, load, span, 8)
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ the replay, block ids included.
 
 Last, the loads where policies differ: every workload of the routing matrix
 (`controlplane.sim.matrix`) at its saturated load (1.5x the knee; the knees come from
-out/bench/routing_matrix.json when `bench/routing_matrix.py` ran first, else they are searched)
+a routing matrix JSON under out/bench run over the same 300 s of arrivals, such as
+`bench/routing_matrix.py --full`'s, else they are searched)
 on 8 replicas with `prefix_affinity`, and on 32 replicas (four superposed copies) for the
 workloads named by `--wide` (default: mooncake; `--wide all` for every one), reported as replica
 x simulated seconds per CPU second.
@@ -32,7 +33,7 @@ from controlplane.routing.policies import POLICIES, make_policy
 from controlplane.sim import fleet
 from controlplane.sim.fleet import FleetConfig, FleetSim
 from controlplane.sim.ids import dense_block_ids
-from controlplane.sim.matrix import LOADS, WORKLOADS, find_knee, workload
+from controlplane.sim.matrix import LOADS, SPAN_S, WORKLOADS, find_knee, workload
 from controlplane.sim.native import is_compiled
 from controlplane.traces import load_trace, repeat, scale_rate
 from controlplane.traces.model import Trace
@@ -67,8 +68,12 @@ def run_once(
 
 def saturated(wide: list[str]) -> tuple[dict[str, object], dict[str, object]]:
     """Each matrix workload at its saturated load: 8 replicas, and 32 for those in `wide`."""
-    path = out_dir() / "routing_matrix.json"
-    knees: dict[str, float] = json.loads(path.read_text())["knees"] if path.is_file() else {}
+    # knees searched over the span replayed here (a 120 s matrix's knees are not this one's)
+    knees: dict[str, float] = {}
+    for path in sorted(out_dir().glob("routing_matrix*.json")):
+        data = json.loads(path.read_text())
+        if data.get("span_s") == SPAN_S:
+            knees = {**data.get("knees", {}), **knees}
     rows8: dict[str, object] = {}
     rows32: dict[str, object] = {}
     for name in WORKLOADS:

@@ -259,16 +259,22 @@ class SimEngine:
             self._finish_run(run, now)
             return
         self.steps += 1
+        running = Status.RUNNING
+        produced = 0
         for req, _n, _c in batch.scheduled:
-            if req.status is not Status.RUNNING or req.num_computed < req.num_tokens:
+            out = req.num_output
+            # a token for every running request whose computed tokens reached num_tokens
+            if req.status is not running or req.num_computed < req.prompt_tokens + out:
                 continue
-            req.num_output += 1
-            self.tokens_out += 1
-            if req.num_output == 1:
+            out += 1
+            req.num_output = out
+            produced += 1
+            if out == 1:
                 req.first_token_s = now
                 self.first_tokens.append(req)
-            if req.num_output >= req.max_output:
+            if out >= req.max_output:
                 self._finish(req, now)
+        self.tokens_out += produced
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()

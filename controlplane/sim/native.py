@@ -128,6 +128,49 @@ def exec_compiled(dest: Path, script: str, argv: list[str]) -> None:
     os.execve(sys.executable, [sys.executable, script, *argv], env)
 
 
+# One replay, run by `replay_in` in a fresh interpreter: argv = workload ("mooncake": the
+# recorded trace; else a matrix workload, seed 0), policy, load multiple, span s (0: all),
+# replicas. Prints the CPU seconds, the span, the sha256 of every request's (id, replica, TTFT,
+# end, rejected) and which hot modules (block pool, scheduler, fleet, the policy) are compiled.
+REPLAY = """
+import hashlib, json, sys, time
+from controlplane.routing.policies import POLICIES, make_policy
+from controlplane.roofline import profile
+from controlplane.sim import block_pool, fleet, scheduler
+from controlplane.sim.fleet import FleetConfig, FleetSim
+from controlplane.sim.ids import dense_block_ids
+from controlplane.sim.matrix import workload
+from controlplane.sim.native import is_compiled
+from controlplane.traces import load_trace
+from controlplane.traces.model import Trace
+name, policy, load, span, n = sys.argv[1:3] + [float(a) for a in sys.argv[3:5]] + [int(sys.argv[5])]
+tr = load_trace("mooncake") if name == "mooncake" else workload(name, 0, n, load)
+if span > 0:
+    tr = Trace(tr.name, tuple(r for r in tr.requests if r.arrival_s < span))
+prof = profile("h100", "llama-3.1-8b", block_size=16)
+c0 = time.process_time()
+ids, floor = dense_block_ids(tr, 16)
+res = FleetSim(FleetConfig(profile=prof, replicas=n), lambda: make_policy(policy)).run(
+    tr, block_ids=ids, id_floor=floor
+)
+cpu = time.process_time() - c0
+rows = [(r.request_id, r.replica, r.ttft_s, r.finish_s, r.rejected) for r in res.records]
+hot = (block_pool, scheduler, fleet, sys.modules[POLICIES[policy].__module__])
+print(json.dumps({
+    "requests": len(rows), "span_s": tr.duration_s, "cpu_s": cpu,
+    "digest": hashlib.sha256(repr(rows).encode()).hexdigest(),
+    "compiled": [is_compiled(m) for m in hot],
+}))
+"""
+
+
+def replay_in(
+    root: Path, workload: str, policy: str, load: float, span_s: float, replicas: int
+) -> dict[str, Any]:
+    """`REPLAY` on the tree at `root` (pure-Python: `package_root()`, or a built one)."""
+    return run_in(root, REPLAY, workload, policy, str(load), str(span_s), str(replicas))
+
+
 def run_in(root: Path, code: str, *args: str) -> dict[str, Any]:
     """Run `code` in a fresh interpreter with `root` first on `sys.path` (the pure-Python tree,
     `package_root()`, or a built one) and this process's data dir (a built tree would look for
@@ -161,6 +204,7 @@ __all__ = [
     "exec_compiled",
     "is_compiled",
     "package_root",
+    "replay_in",
     "run_in",
     "source_digest",
 ]
