@@ -32,18 +32,11 @@ NATIVE_HELP = "run on the simulator compiled with mypyc (built into out/bench/na
 
 def run_compiled(script: str) -> None:
     """Re-run `script` with this process's arguments, less --native, on the compiled simulator
-    (controlplane.sim.native: the same source, replays bit-identical); never returns. Returns,
-    to go on in pure Python, where it cannot be built (no mypyc or C compiler)."""
-    from controlplane.sim.native import available, ensure_built, exec_compiled
+    built into out/bench/native (controlplane.cli.common.rerun_compiled)."""
+    from controlplane.cli.common import rerun_compiled
 
-    why = available()
-    if why is not None:
-        console.print(f"[yellow]--native: {why}; running the pure-Python simulator[/]")
-        return
-    dest = out_dir() / "native"
-    with console.status("building the compiled simulator (mypyc)"):
-        ensure_built(dest)
-    exec_compiled(dest, script, [a for a in sys.argv[1:] if a != "--native"])
+    argv = [a for a in sys.argv[1:] if a != "--native"]
+    rerun_compiled(out_dir() / "native", [script, *argv], console)
 
 
 def machine() -> dict[str, object]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from rich.console import Console
+
 from controlplane.errors import ConfigError
 from controlplane.roofline.profile import EngineProfile, profile
 from controlplane.traces import densest_window, head, load_trace, scale_rate, window
@@ -45,3 +49,19 @@ def build_trace(
     if not len(trace):
         raise ConfigError("the selected trace has no requests")
     return trace
+
+
+def rerun_compiled(dest: Path, argv: list[str], console: Console) -> None:
+    """Re-run `python argv...` on the simulator compiled with mypyc (controlplane.sim.native:
+    the same source, replays bit-identical), built into `dest` when stale; never returns.
+    Returns, after saying why, where it cannot be built (no mypyc or C compiler): the caller
+    goes on in pure Python."""
+    from controlplane.sim.native import available, ensure_built, exec_compiled
+
+    why = available()
+    if why is not None:
+        console.print(f"[yellow]--native: {why}; running the pure-Python simulator[/]")
+        return
+    with console.status("building the compiled simulator (mypyc, about 30 s)"):
+        ensure_built(dest)
+    exec_compiled(dest, argv)

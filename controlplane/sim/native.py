@@ -114,9 +114,15 @@ def ensure_built(dest: Path) -> Path:
     return dest
 
 
-def exec_compiled(dest: Path, script: str, argv: list[str]) -> None:
-    """Replace this process by `script argv` run on the compiled tree at `dest` (built first
-    when stale), with this process's data dir: a bench's `--native` switch. Never returns."""
+def cache_dir() -> Path:
+    """Where the command line keeps its compiled tree: $XDG_CACHE_HOME/controlplane/native."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "controlplane" / "native"
+
+
+def exec_compiled(dest: Path, argv: list[str]) -> None:
+    """Replace this process by `python argv...` run on the compiled tree at `dest` (built first
+    when stale), with this process's data dir: a command's `--native` switch. Never returns."""
     from controlplane.settings import get_settings
 
     ensure_built(dest)
@@ -125,7 +131,7 @@ def exec_compiled(dest: Path, script: str, argv: list[str]) -> None:
         "PYTHONPATH": str(dest.resolve()),
         "CP_DATA_DIR": str(get_settings().data_dir),
     }
-    os.execve(sys.executable, [sys.executable, script, *argv], env)
+    os.execve(sys.executable, [sys.executable, *argv], env)
 
 
 # One replay, run by `replay_in` in a fresh interpreter: argv = workload ("mooncake": the
@@ -200,6 +206,7 @@ __all__ = [
     "NATIVE_MODULES",
     "available",
     "build",
+    "cache_dir",
     "ensure_built",
     "exec_compiled",
     "is_compiled",
