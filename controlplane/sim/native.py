@@ -1,13 +1,15 @@
 """The simulator compiled with mypyc: the same source, built into a separate tree.
 
-The simulator's hot path (block pool, scheduler, engine, fleet loop, the routing books and
-the prefix-affinity policy) is strict-typed Python, which mypyc compiles to C extensions as it
-is. `build(dest)` copies the `controlplane` package to `dest` and compiles `NATIVE_MODULES`
-there in place (a C compiler and the Python headers are needed; about a minute), so the source
-tree never holds an extension module that would shadow an edited `.py` (an extension module
-wins the import). A process with `dest` first on `sys.path` runs the compiled simulator; the
-pure-Python one stays the reference, and a replay must match it bit for bit
-(tests/unit/test_sim_native.py).
+The simulator's hot path (block pool, scheduler, engine, fleet loop, the routing books, the
+roofline step model and every policy) is strict-typed Python, which mypyc compiles to C
+extensions as it is. `build(dest)` copies the `controlplane` package to `dest` and compiles
+`NATIVE_MODULES` there in place (a C compiler and the Python headers are needed; about 30 s);
+`ensure_built(dest)` builds only when the source changed (a digest of every `.py` file). The
+source tree never holds an extension module that would shadow an edited `.py` (an extension
+module wins the import). A process with `dest` first on `sys.path` runs the compiled
+simulator: `exec_compiled` re-runs a command that way (`controlplane replay --native`, the
+benches' `--native`). The pure-Python simulator stays the reference, and a replay must match
+it bit for bit (tests/unit/test_sim_native.py).
 
 `controlplane/types.py` is not compiled: its memo field (`_memo: object = field(...)`) does
 not import under mypyc.
