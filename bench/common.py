@@ -35,8 +35,7 @@ def run_compiled(script: str) -> None:
     built into out/bench/native (controlplane.cli.common.rerun_compiled)."""
     from controlplane.cli.common import rerun_compiled
 
-    argv = [a for a in sys.argv[1:] if a != "--native"]
-    rerun_compiled(out_dir() / "native", [script, *argv], console)
+    rerun_compiled(out_dir() / "native", [script], console)
 
 
 def machine() -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -51,11 +52,11 @@ def build_trace(
     return trace
 
 
-def rerun_compiled(dest: Path, argv: list[str], console: Console) -> None:
-    """Re-run `python argv...` on the simulator compiled with mypyc (controlplane.sim.native:
-    the same source, replays bit-identical), built into `dest` when stale; never returns.
-    Returns, after saying why, where it cannot be built (no mypyc or C compiler): the caller
-    goes on in pure Python."""
+def rerun_compiled(dest: Path, launch: list[str], console: Console) -> None:
+    """Re-run this command (`python launch...` with this process's arguments less --native) on
+    the simulator compiled with mypyc (controlplane.sim.native: the same source, replays
+    bit-identical), built into `dest` when stale; never returns. Returns, after saying why,
+    where it cannot be built (no mypyc or C compiler): the caller goes on in pure Python."""
     from controlplane.sim.native import available, ensure_built, exec_compiled
 
     why = available()
@@ -64,4 +65,4 @@ def rerun_compiled(dest: Path, argv: list[str], console: Console) -> None:
         return
     with console.status("building the compiled simulator (mypyc, about 30 s)"):
         ensure_built(dest)
-    exec_compiled(dest, argv)
+    exec_compiled(dest, [*launch, *(a for a in sys.argv[1:] if a != "--native")])

@@ -260,10 +260,9 @@ def replay_cmd(
         from controlplane.cli.common import rerun_compiled
         from controlplane.sim.native import cache_dir
 
-        argv = [a for a in sys.argv[1:] if a != "--native"]
         # -P: no current directory on sys.path, where a source checkout would shadow the tree
         code = "from controlplane.cli import main; main()"
-        rerun_compiled(cache_dir(), ["-P", "-c", code, *argv], out)
+        rerun_compiled(cache_dir(), ["-P", "-c", code], out)
     if router_config is not None:
         from controlplane.cli.replay_config import replay_router_config
 

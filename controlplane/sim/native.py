@@ -122,18 +122,19 @@ def cache_dir() -> Path:
     return Path(base) / "controlplane" / "native"
 
 
-def exec_compiled(dest: Path, argv: list[str]) -> None:
-    """Replace this process by `python argv...` run on the compiled tree at `dest` (built first
-    when stale), with this process's data dir: a command's `--native` switch. Never returns."""
+def tree_env(root: Path) -> dict[str, str]:
+    """This process's environment with `root` as the only PYTHONPATH entry and this process's
+    data dir (a built tree would look for the traces beside itself)."""
     from controlplane.settings import get_settings
 
-    ensure_built(dest)
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(dest.resolve()),
-        "CP_DATA_DIR": str(get_settings().data_dir),
-    }
-    os.execve(sys.executable, [sys.executable, *argv], env)
+    data = str(get_settings().data_dir)
+    return {**os.environ, "PYTHONPATH": str(root.resolve()), "CP_DATA_DIR": data}
+
+
+def exec_compiled(dest: Path, argv: list[str]) -> None:
+    """Replace this process by `python argv...` run on the compiled tree at `dest` (built:
+    `ensure_built`): a command's `--native` switch. Never returns."""
+    os.execve(sys.executable, [sys.executable, *argv], tree_env(dest))
 
 
 # One replay, run by `replay_in` in a fresh interpreter: argv = workload ("mooncake": the
@@ -181,15 +182,12 @@ def replay_in(
 
 def run_in(root: Path, code: str, *args: str) -> dict[str, Any]:
     """Run `code` in a fresh interpreter with `root` first on `sys.path` (the pure-Python tree,
-    `package_root()`, or a built one) and this process's data dir (a built tree would look for
-    the traces beside itself); returns the JSON object its last output line holds."""
-    from controlplane.settings import get_settings
-
-    data = str(get_settings().data_dir)
+    `package_root()`, or a built one, `tree_env`); returns the JSON object its last output line
+    holds."""
     out = subprocess.run(
         [sys.executable, "-c", code, *args],
         cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root), "CP_DATA_DIR": data},
+        env=tree_env(root),
         check=True,
         capture_output=True,
         text=True,
@@ -216,4 +214,5 @@ __all__ = [
     "replay_in",
     "run_in",
     "source_digest",
+    "tree_env",
 ]
