@@ -70,7 +70,7 @@ BLOCK = 32
 MAX_MODEL_LEN = 1024
 MAX_NUM_SEQS = 64
 SCRAPE_S = 0.5  # the live router's health.scrape_interval_s default
-SPECULATIVE_TTL_S = 10.0  # its policy.speculative_ttl_s default
+SPECULATIVE_TTL_S = 60.0  # its policy.speculative_ttl_s default
 RETRACT_GRACE_S = 1.0  # its policy.retract_grace_s default
 
 

@@ -383,8 +383,12 @@ class RouterCore:
 
     def finish(self, routed: Routed, output_tokens: int | None) -> bool:
         """Release everything the request held; True the first time only."""
-        if not self.books.finish(routed, output_tokens):
+        ops = self.books.finish(routed, output_tokens)
+        if ops is None:
             return False
+        for op in ops:  # it never had a first token: its speculative entry goes with it
+            if isinstance(op, Retract):
+                self._spawn(self.index.retract(op.replica_id, op.hashes, op.grace_s))
         self._gauges(routed.replica_id)
         return True
 

@@ -101,7 +101,19 @@ class InMemoryPrefixIndex:
 
     @property
     def speculative_entries(self) -> int:
+        """Speculative chains held (expired ones until they are pruned)."""
         return sum(len(v) for by_first in self._speculative.values() for v in by_first.values())
+
+    @property
+    def live_speculative_entries(self) -> int:
+        """Speculative chains a lookup would still count."""
+        now = self._clock()
+        return sum(
+            exp > now
+            for by_first in self._speculative.values()
+            for entries in by_first.values()
+            for exp, _ in entries
+        )
 
     def retract(self, replica_id: str, hashes: Sequence[int], grace_s: float) -> None:
         if not hashes:

@@ -9,11 +9,13 @@ operations at once, the live router with I/O (`router.core`):
                policy.on_routed; ledger.reserve(prompt, uncached = prompt - usable hit tokens,
                predicted output); ops = [Speculate(replica, hashes, ttl)]  BEFORE it is sent
     ops = books.reroute(routed, snapshot, now)   the replica never accepted it: next untried
-               ranked candidate (else any routable one); the reservation moves with it
+               ranked candidate (else any routable one); the reservation and the speculative
+               entry move with it (Retract(old, hashes, 0), Speculate(new, ...))
     ops = books.first_token(routed)     ledger -> decoding, policy.on_first_token,
                [Retract(replica, hashes, grace)]: KV events are the truth from here on
-    books.finish(routed, output_tokens) exactly once: ledger.release, policy.on_finished,
-               predictor.observe(output) when the output is known
+    ops = books.finish(routed, output_tokens)    exactly once (None after): ledger.release,
+               policy.on_finished, predictor.observe(output) when the output is known;
+               [Retract(replica, hashes, 0)] when it never had a first token
 
 `journal` (off unless a list is set) records every step with its figures, so a test can hold two
 hosts' books against each other: the same requests must give the same entries.
@@ -203,10 +205,13 @@ class RoutingBooks:
             return None
         self.ledger.release(routed.request_id)
         routed.policy.on_finished(routed.request, routed.replica_id)
+        withdrawn = self._withdraw(routed)
+        if self.journal is not None:
+            self.journal += [_entry(op) for op in withdrawn]
         routed.decision = replace(routed.decision, replica_id=nxt, expected_hit_blocks=0)
         routed.replica_id = nxt
         routed.policy.on_routed(routed.request, routed.decision, snapshot)
-        return self._reserve(routed, now)
+        return withdrawn + self._reserve(routed, now)
 
     # -- the request's life ----------------------------------------------------------------------
     def first_token(self, routed: Routed) -> list[IndexOp]:
@@ -224,19 +229,29 @@ class RoutingBooks:
             self.journal += [_entry(op) for op in ops]
         return ops
 
-    def finish(self, routed: Routed, output_tokens: int | None) -> bool:
-        """Release everything the request holds; True the first time only."""
+    def finish(self, routed: Routed, output_tokens: int | None) -> list[IndexOp] | None:
+        """Release everything the request holds; None when it was already finished. The ops:
+        a request that ends without a first token (failed, cancelled) takes its speculative
+        entry with it, since no KV event will ever confirm those blocks."""
         if routed.finished:
-            return False
+            return None
         routed.finished = True
         self.ledger.release(routed.request_id)
         routed.policy.on_finished(routed.request, routed.replica_id)
         if output_tokens:
             req = routed.request
             self.predictor.observe(req.tenant, req.prompt_tokens, output_tokens)
+        ops = [] if routed.decoding else self._withdraw(routed)
         if self.journal is not None:
             self.journal.append(("finish", routed.request_id, routed.replica_id, output_tokens))
-        return True
+            self.journal += [_entry(op) for op in ops]
+        return ops
+
+    def _withdraw(self, routed: Routed) -> list[IndexOp]:
+        """End at once the speculative entry of a request leaving its replica unserved."""
+        if not (self.config.speculative and routed.request.block_hashes):
+            return []
+        return [Retract(routed.replica_id, routed.request.block_hashes, 0.0)]
 
 
 def _entry(op: IndexOp) -> tuple[object, ...]:

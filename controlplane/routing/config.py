@@ -51,10 +51,13 @@ class PolicyConfig(Section):
         "time, before its KV events can confirm the blocks.",
     )
     speculative_ttl_s: float = Field(
-        default=10.0,
+        default=60.0,
         gt=0,
-        description="Lifetime of a speculative entry whose request never produces a first token "
-        "(one that does is retracted after retract_grace_s).",
+        description="Lifetime of a speculative entry whose request has no first token yet (one "
+        "that has is retracted after retract_grace_s). It must outlast the queue wait: an entry "
+        "that expires while its request still waits hides the prefix from the next request that "
+        "shares it (in overload, a conversation's next turn then lands elsewhere). The default "
+        "is the router's first-byte deadline (timeouts.ttft_s).",
     )
     retract_grace_s: float = Field(
         default=1.0,

@@ -591,7 +591,7 @@ class FleetSim:
         if self.queue is not None:
             self.queue.finished(req.uid, max(0, req.cached_tokens), req.num_output)
             self._dispatch_due = True
-        router.books.finish(routed, None if failed else req.num_output)
+        self._apply(router.books.finish(routed, None if failed else req.num_output) or [])
         if self.observer is not None:
             self.observer.finished(routed.request_id, now)
 

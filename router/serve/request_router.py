@@ -100,7 +100,7 @@ class PolicyRequestRouter(RequestRouter):
         block_size: int = 32,
         reservations: bool = True,
         speculative: bool = True,
-        speculative_ttl_s: float = 10.0,
+        speculative_ttl_s: float = 60.0,
         retract_grace_s: float = 1.0,
     ) -> None:
         config = PolicyConfig(
@@ -174,9 +174,9 @@ class PolicyRequestRouter(RequestRouter):
             return [candidate_replicas]
         with self._lock:
             old = self._routed.pop(rid, None)  # a second pass (every replica was full)
-            if old is not None:
-                books.finish(old, None)
+            withdrawn = (books.finish(old, None) or []) if old is not None else []
             routed, ops = books.commit(req, decision, snap, arm, now, lookup=lookup)
+            ops = withdrawn + ops
             self._routed[rid] = routed
             self._snapshots[rid] = snap
         if old is None:  # a request cancelled while it waits for a replica is never routed
@@ -262,11 +262,12 @@ class PolicyRequestRouter(RequestRouter):
             ops: list[IndexOp] = []
             if routed.replica_id != actual and snap is not None:
                 # the first choice was full: Serve sent it to a later tier
-                self.books.finish(routed, None)
+                withdrawn = self.books.finish(routed, None) or []
                 decision = replace(routed.decision, replica_id=actual, expected_hit_blocks=0)
                 routed, ops = self.books.commit(
                     routed.request, decision, snap, routed.arm, time.time(), lookup=routed.lookup
                 )
+                ops = withdrawn + ops
                 self._routed[rid] = routed
         if ops:
             self._spawn(self._apply(ops))
@@ -284,8 +285,9 @@ class PolicyRequestRouter(RequestRouter):
         with self._lock:
             self._snapshots.pop(rid, None)
             routed = self._routed.pop(rid, None)
-            if routed is not None:
-                self.books.finish(routed, None)
+            ops = (self.books.finish(routed, None) or []) if routed is not None else []
+        if ops:  # its speculative entry goes with it
+            self._spawn(self._apply(ops))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:

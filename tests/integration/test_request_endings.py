@@ -17,7 +17,7 @@ with a 400. A real httpx client sends batches of concurrent requests with random
 
 After each batch, once the router is idle, the books are checked on its own loop: no ledger
 reservation, no fair-queue slot or waiter, no demand in flight, no open quota reservation, every
-upstream response closed, and no task left behind.
+upstream response closed, no live speculative prefix-index entry, and no task left behind.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from router.runtime import RouterRuntime
 MODEL = "tiny-llama"
 KEYS = {"free": "cpk-endings-free", "tight": "cpk-endings-tight"}
 TTFT_S, IDLE_S = 0.4, 0.4
+CONTEXT = "some shared context " * 30
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -205,7 +206,8 @@ async def one(client: httpx.AsyncClient, ending: str, k: int) -> str:
     }.get(ending, ending)
     body = {
         "model": MODEL,
-        "messages": [{"role": "user", "content": f"hello end={marker}:{k}"}],
+        # a few blocks of shared context first: the request has block hashes to index
+        "messages": [{"role": "user", "content": f"{CONTEXT} hello end={marker}:{k}"}],
         "max_tokens": 500 if ending == "router_4xx" else 6,
         "stream": ending != "ok_whole",
     }
@@ -240,6 +242,9 @@ def books(stack: Stack) -> dict[str, int]:
             "demand": sum(m.in_flight + m.backlog_requests for m in rt.demand.meters.values()),
             "quota_open": len(getattr(quota, "_open", {})),
             "upstream_open": stack.replicas.open_streams,
+            # a request that never had a first token takes its entry with it (the others'
+            # end one retract grace after their first token)
+            "speculative": getattr(rt.index.events_sink, "live_speculative_entries", 0),
             "request_tasks": sum(
                 1
                 for t in asyncio.all_tasks()

@@ -76,8 +76,8 @@ def test_first_token_retracts_once_and_finish_releases_once() -> None:
     assert books.first_token(routed) == [Retract("r0", req.block_hashes, 2.5)]
     assert books.first_token(routed) == []  # idempotent
     assert books.ledger.view("r0").decoding == 1
-    assert books.finish(routed, 42) is True
-    assert books.finish(routed, 42) is False
+    assert books.finish(routed, 42) == []  # its entry was retracted at the first token
+    assert books.finish(routed, 42) is None
     assert len(books.ledger) == 0
     # the predictor learned the output (it needs min_samples before it predicts from it)
     for _ in range(10):
@@ -93,13 +93,41 @@ def test_reroute_moves_the_reservation_to_the_next_ranked_candidate() -> None:
     decision = books.decide(req, snap, {}, arm)
     routed, _ = books.commit(req, decision, snap, arm, 0.0)
     assert routed.replica_id == "r0"
-    assert books.reroute(routed, snap, 1.0) is not None
+    ttl = books.config.speculative_ttl_s
+    assert books.reroute(routed, snap, 1.0) == [
+        Retract("r0", req.block_hashes, 0.0),
+        Speculate("r1", req.block_hashes, ttl),
+    ]
     assert routed.replica_id == "r1" and routed.tried == ["r0", "r1"]
     assert books.ledger.view("r0").requests == 0 and books.ledger.view("r1").requests == 1
     assert routed.decision.expected_hit_blocks == 0
     books.reroute(routed, snap, 2.0)
     assert books.reroute(routed, snap, 3.0) is None  # everything tried: nothing changes
     assert routed.replica_id == "r2" and books.ledger.view("r2").requests == 1
+
+
+@pytest.mark.parametrize(
+    ("speculative", "first_token", "withdrawn"),
+    [
+        (True, False, True),  # failed or cancelled before a first token: the entry goes now
+        (True, True, False),  # its first token retracted it after the grace already
+        (False, False, False),  # nothing was written
+    ],
+)
+def test_finish_withdraws_the_entry_of_a_request_that_never_started(
+    speculative: bool, first_token: bool, withdrawn: bool
+) -> None:
+    books = RoutingBooks(PolicyConfig(name="least_loaded", speculative=speculative))
+    snap = fleet(replica("r0"))
+    req = request()
+    arm = books.arm_for(req)
+    routed, _ = books.commit(req, books.decide(req, snap, {}, arm), snap, arm, 0.0)
+    if first_token:
+        books.first_token(routed)
+    expected = [Retract("r0", req.block_hashes, 0.0)] if withdrawn else []
+    assert books.finish(routed, None) == expected
+    assert books.finish(routed, None) is None
+    assert len(books.ledger) == 0
 
 
 def test_commit_refuses_a_decision_without_a_replica() -> None:
