@@ -1,14 +1,18 @@
 """Replay predicted_finish variants over chosen routing-matrix cells, against cached peers.
 
-A cheap loop for tuning `predicted_finish`: every other policy of a cell (trace, load, seed at
-8 replicas) is replayed once and cached (policies replay independently, each on a fresh fleet,
-so a cached peer is the figure routing_matrix.py would print); each variant (keyword parameters
-of `PredictedFinish`) is replayed alone and cached under its name. Prints, per cell, the
-variant's TTFT p99 and goodput against the best of all policies, and counts the cells where it
-is best or within 2% on each; `--json` writes the cells in routing_matrix.json's shape.
+A cheap loop for tuning `predicted_finish`: every other policy of a cell (trace, load, seed,
+fleet size) is replayed once and cached (policies replay independently, each on a fresh fleet,
+so a cached peer is the figure routing_matrix.py would print), or read from a routing matrix
+JSON (`--matrix`: its knees, span and every cell's peers, so no peer is replayed at all); each
+variant (keyword parameters of `PredictedFinish`) is replayed alone and cached under its name.
+Prints, per cell, the variant's TTFT p99 and goodput against the best of all policies, and
+counts the cells where it is best or within 2% on each; `--json` writes the cells in
+routing_matrix.json's shape.
 
     PYTHONPATH=. python bench/pf_cells.py --knees K.json --seeds 0,1 \
         --cells conversations:light,conversations:knee --variant t02 '{"tpot_target_s": 0.2}'
+    PYTHONPATH=. python bench/pf_cells.py --native --matrix out/bench/routing_matrix_full_x32.json \
+        --replicas 32 --seeds 0,1,2 --variant t02 '{"tpot_target_s": 0.2}'
 
 Caches under --cache (default out/pf_cells_cache): delete a variant's folder after changing the
 policy's code. The traces come from the settings' data dir (CP_DATA_DIR): in a git worktree
@@ -38,18 +42,25 @@ from controlplane.sim.matrix import (
 from controlplane.sim.replay import replay
 
 PF = "predicted_finish"
-SPAN = 120.0
 
 
 Row = dict[str, Any]
 
 
-def rows(trace: str, seed: int, scale: float, names: list[str], params: dict[str, Any]) -> Row:
+def rows(
+    trace: str,
+    seed: int,
+    replicas: int,
+    scale: float,
+    span: float,
+    names: list[str],
+    params: dict[str, Any],
+) -> Row:
     """Replay `names` over one cell; the figures per policy and the pooled ceiling."""
-    tr = workload(trace, seed, 8, scale, span_s=SPAN)
+    tr = workload(trace, seed, replicas, scale, span_s=span)
     rep = replay(
         tr,
-        fleet(8),
+        fleet(replicas),
         names,
         slo_ttft_s=SLO_TTFT_S,
         slo_tpot_s=SLO_TPOT_S,
@@ -69,19 +80,12 @@ def rows(trace: str, seed: int, scale: float, names: list[str], params: dict[str
     return {"ceiling": ceiling, "requests": len(tr), "policies": out}
 
 
-def cached(
-    path: Path,
-    trace: str,
-    seed: int,
-    scale: float,
-    names: list[str],
-    params: dict[str, Any],
-) -> Row:
-    """`rows(...)`, read from `path` when an earlier run wrote it there."""
+def cached(path: Path, *cell: Any) -> Row:
+    """`rows(*cell)`, read from `path` when an earlier run wrote it there."""
     if path.exists():
         data: Row = json.loads(path.read_text())
         return data
-    data = rows(trace, seed, scale, names, params)
+    data = rows(*cell)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
     return data
@@ -89,7 +93,12 @@ def cached(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--knees", type=Path, required=True)
+    ap.add_argument("--knees", type=Path, help="a routing matrix JSON whose knees to use")
+    ap.add_argument(
+        "--matrix", type=Path, help="a routing matrix JSON: its knees, span and peers' figures"
+    )
+    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--span", type=float, default=120.0, help="seconds of arrivals")
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--cells", default="", help="trace:load,... (default: all 12)")
     ap.add_argument("--variant", nargs=2, metavar=("NAME", "PARAMS_JSON"), default=("base", "{}"))
@@ -100,7 +109,18 @@ def main() -> None:
     args = ap.parse_args()
     if args.native:
         run_compiled(__file__)
-    knees = json.loads(args.knees.read_text())["knees"]
+    if (args.knees is None) == (args.matrix is None):
+        ap.error("give --knees or --matrix")
+    source = json.loads((args.matrix or args.knees).read_text())
+    knees, span, n = source["knees"], args.span, args.replicas
+    known: dict[tuple[str, str, int], Row] = {}
+    if args.matrix is not None:
+        span = source["span_s"]
+        for c in source["cells"]:
+            if c["replicas"] == n:
+                peer = {k: v for k, v in c["policies"].items() if k != PF}
+                row = {"ceiling": c["pooled_ceiling"], "requests": c["requests"], "policies": peer}
+                known[(c["trace"], c["load"], c["seed"])] = row
     pairs = [tuple(c.split(":")) for c in args.cells.split(",") if c] or [
         (t, ld) for t in WORKLOADS for ld in LOADS
     ]
@@ -112,12 +132,15 @@ def main() -> None:
     n_t = n_g = 0
     for trace, load in pairs:
         for seed in seeds:
-            scale = knees[f"{trace} x8"] * LOADS[load]
-            key = f"{trace}_{load}_{seed}.json"
-            peer = cached(args.cache / "peers" / key, trace, seed, scale, peers, {})
+            scale = knees[f"{trace} x{n}"] * LOADS[load]
+            key = f"{trace}_{load}_{seed}_x{n}_{span:g}s.json"
+            cell = (trace, seed, n, scale, span)
+            peer = known.get((trace, load, seed)) or cached(
+                args.cache / "peers" / key, *cell, peers, {}
+            )
             if args.peers_only:
                 continue
-            mine = cached(args.cache / "pf" / vname / key, trace, seed, scale, [PF], vparams)
+            mine = cached(args.cache / "pf" / vname / key, *cell, [PF], vparams)
             pols = dict(peer["policies"])
             pols[PF] = mine["policies"][PF]
             best_t = min(pols, key=lambda n: pols[n]["ttft_p99_s"])
@@ -141,7 +164,7 @@ def main() -> None:
                     "trace": trace,
                     "load": load,
                     "seed": seed,
-                    "replicas": 8,
+                    "replicas": n,
                     "load_multiple": scale,
                     "requests": peer["requests"],
                     "pooled_ceiling": ceiling,
@@ -159,7 +182,7 @@ def main() -> None:
                     "cells": cells,
                     "summary": summarize(cells),
                     "knees": knees,
-                    "span_s": SPAN,
+                    "span_s": span,
                 }
             )
         )

@@ -536,12 +536,13 @@ def saturated(data: Any) -> str:
             f"{r['cpu_s']:.1f}",
             f"{r['speedup']:,.0f}x",
             f"{r['replica_seconds_per_cpu_s']:,.0f}",
+            f"{r['one_token_speedup']:,.0f}x" if "one_token_speedup" in r else "",
         )
         for key in ("saturated", "saturated_32")
         for name, r in data.get(key, {}).items()
     ]
     header = ["workload", "replicas", "load", "requests", "span s", "CPU s", "speed-up"]
-    return md_table([*header, "replica-s per CPU s"], rows)
+    return md_table([*header, "replica-s per CPU s", "1-token outputs"], rows)
 
 
 def matrix_summary(data: Any) -> str:
@@ -605,6 +606,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "matrix_full_summary": ("routing_matrix_full_x8.json", matrix_summary),
     "matrix_full_cells": ("routing_matrix_full_x8.json", matrix_cells),
     "matrix_full_heldout_summary": ("routing_matrix_full_x8_heldout.json", matrix_summary),
+    "matrix_full_fresh_summary": ("routing_matrix_full_x8_fresh.json", matrix_summary),
     "matrix_full32_summary": ("routing_matrix_full_x32.json", matrix_summary),
     "matrix_full32_cells": ("routing_matrix_full_x32.json", matrix_cells),
     "matrix_x32_s12_summary": ("routing_matrix_x32_s12.json", matrix_summary),

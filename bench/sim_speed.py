@@ -14,7 +14,10 @@ a routing matrix JSON under out/bench run over the same 300 s of arrivals, such 
 `bench/routing_matrix.py --full`'s, else they are searched)
 on 8 replicas with `prefix_affinity`, and on 32 replicas (four superposed copies) for the
 workloads named by `--wide` (default: mooncake; `--wide all` for every one), reported as replica
-x simulated seconds per CPU second.
+x simulated seconds per CPU second. At 8 replicas each workload is also replayed with every
+output cut to one token: no decode at all, so its speed-up bounds what any faster decode loop
+could reach (the per-request work: hashing, index lookups, the policy, admission, prefill and
+the block pool).
 
 Writes out/bench/sim_speed.json; with `--native`, the same on the simulator compiled with mypyc
 (`controlplane.sim.native`, replays bit-identical) into out/bench/sim_speed_native.json.
@@ -23,6 +26,7 @@ Writes out/bench/sim_speed.json; with `--native`, the same on the simulator comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -83,6 +87,11 @@ def saturated(wide: list[str]) -> tuple[dict[str, object], dict[str, object]]:
             row = run_once(trace, replicas, 16, "prefix_affinity")
             row["load_multiple"] = knee * LOADS["saturated"]
             row["replica_seconds_per_cpu_s"] = replicas * trace.duration_s / row["cpu_s"]
+            if replicas == 8:  # the same arrivals without decode: the per-request floor
+                cut = [dataclasses.replace(r, output_tokens=1) for r in trace.requests]
+                floor = run_once(trace.with_requests(cut), replicas, 16, "prefix_affinity")
+                row["one_token_speedup"] = trace.duration_s / floor["cpu_s"]
+                row["one_token_us_per_request"] = 1e6 * floor["cpu_s"] / len(trace)
             (rows8 if replicas == 8 else rows32)[name] = row
     return rows8, rows32
 
@@ -143,7 +152,16 @@ def main() -> None:
     sat8, sat32 = saturated(wide)
     print_table(
         f"the routing matrix's workloads at their saturated load (prefix_affinity, block 16){tag}",
-        ["workload", "replicas", "requests", "span s", "CPU s", "speed-up", "replica-s/CPU s"],
+        [
+            "workload",
+            "replicas",
+            "requests",
+            "span s",
+            "CPU s",
+            "speed-up",
+            "replica-s/CPU s",
+            "1-token outputs",
+        ],
         [
             (
                 name,
@@ -153,13 +171,17 @@ def main() -> None:
                 r["cpu_s"],
                 f"{r['speedup']:.0f}x",
                 f"{r['replica_seconds_per_cpu_s']:.0f}",
+                f"{r['one_token_speedup']:.0f}x" if "one_token_speedup" in r else "",
             )
             for rows in (sat8, sat32)
             for name, r in rows.items()
             if isinstance(r, dict)
         ],
     )
-    console.print("speed-up = trace span / CPU seconds (one core)")
+    console.print(
+        "speed-up = trace span / CPU seconds (one core); 1-token outputs: the same arrivals "
+        "with no decode (the bound a faster decode loop could reach)"
+    )
     write_json(
         "sim_speed_native.json" if compiled else "sim_speed.json",
         {
