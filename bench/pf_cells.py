@@ -7,7 +7,7 @@ JSON (`--matrix`: its knees, span and every cell's peers, so no peer is replayed
 variant (keyword parameters of `PredictedFinish`) is replayed alone and cached under its name.
 Prints, per cell, the variant's TTFT p99 and goodput against the best of all policies, and
 counts the cells where it is best or within 2% on each; `--json` writes the cells in
-routing_matrix.json's shape.
+routing_matrix.json's shape, with the same heat maps beside it.
 
     PYTHONPATH=. python bench/pf_cells.py --knees K.json --seeds 0,1 \
         --cells conversations:light,conversations:knee --variant t02 '{"tpot_target_s": 0.2}'
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from common import NATIVE_HELP, run_compiled
+from routing_matrix import heat_maps
 
 from controlplane.routing.policies import POLICIES
 from controlplane.sim.matrix import (
@@ -104,7 +105,8 @@ def main() -> None:
     ap.add_argument("--variant", nargs=2, metavar=("NAME", "PARAMS_JSON"), default=("base", "{}"))
     ap.add_argument("--cache", type=Path, default=Path("out/pf_cells_cache"))
     ap.add_argument("--json", type=Path, help="write the cells in routing_matrix.json's shape")
-    ap.add_argument("--peers-only", action="store_true")
+    ap.add_argument("--peers-only", action="store_true", help="only replay and cache the peers")
+    ap.add_argument("--variant-only", action="store_true", help="only replay and cache the variant")
     ap.add_argument("--native", action="store_true", help=NATIVE_HELP)
     args = ap.parse_args()
     if args.native:
@@ -135,6 +137,9 @@ def main() -> None:
             scale = knees[f"{trace} x{n}"] * LOADS[load]
             key = f"{trace}_{load}_{seed}_x{n}_{span:g}s.json"
             cell = (trace, seed, n, scale, span)
+            if args.variant_only:  # fill the variant's cache while the peers' matrix runs
+                cached(args.cache / "pf" / vname / key, *cell, [PF], vparams)
+                continue
             peer = known.get((trace, load, seed)) or cached(
                 args.cache / "peers" / key, *cell, peers, {}
             )
@@ -171,7 +176,7 @@ def main() -> None:
                     "policies": {n: pols[n] for n in POLICIES},
                 }
             )
-    if args.peers_only:
+    if args.peers_only or args.variant_only:
         return
     print("\n".join(lines))
     print(f"[{vname}] {vparams}: TTFT p99 {n_t}/{len(cells)}  goodput {n_g}/{len(cells)}")
@@ -186,6 +191,7 @@ def main() -> None:
                 }
             )
         )
+        heat_maps(cells, args.json.parent, args.json.stem)  # as routing_matrix.py draws them
 
 
 if __name__ == "__main__":
