@@ -114,12 +114,12 @@ def main() -> None:
     if (args.knees is None) == (args.matrix is None):
         ap.error("give --knees or --matrix")
     source = json.loads((args.matrix or args.knees).read_text())
-    knees, span, n = source["knees"], args.span, args.replicas
+    knees, span, size = source["knees"], args.span, args.replicas
     known: dict[tuple[str, str, int], Row] = {}
     if args.matrix is not None:
         span = source["span_s"]
         for c in source["cells"]:
-            if c["replicas"] == n:
+            if c["replicas"] == size:
                 peer = {k: v for k, v in c["policies"].items() if k != PF}
                 row = {"ceiling": c["pooled_ceiling"], "requests": c["requests"], "policies": peer}
                 known[(c["trace"], c["load"], c["seed"])] = row
@@ -134,9 +134,9 @@ def main() -> None:
     n_t = n_g = 0
     for trace, load in pairs:
         for seed in seeds:
-            scale = knees[f"{trace} x{n}"] * LOADS[load]
-            key = f"{trace}_{load}_{seed}_x{n}_{span:g}s.json"
-            cell = (trace, seed, n, scale, span)
+            scale = knees[f"{trace} x{size}"] * LOADS[load]
+            key = f"{trace}_{load}_{seed}_x{size}_{span:g}s.json"
+            cell = (trace, seed, size, scale, span)
             if args.variant_only:  # fill the variant's cache while the peers' matrix runs
                 cached(args.cache / "pf" / vname / key, *cell, [PF], vparams)
                 continue
@@ -169,7 +169,7 @@ def main() -> None:
                     "trace": trace,
                     "load": load,
                     "seed": seed,
-                    "replicas": n,
+                    "replicas": size,
                     "load_multiple": scale,
                     "requests": peer["requests"],
                     "pooled_ceiling": ceiling,

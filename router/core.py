@@ -376,9 +376,7 @@ class RouterCore:
     def first_token(self, routed: Routed) -> None:
         if routed.decoding or routed.finished:
             return
-        for op in self.books.first_token(routed):
-            if isinstance(op, Retract):
-                self._spawn(self.index.retract(op.replica_id, op.hashes, op.grace_s))
+        self._retract(self.books.first_token(routed))
         self._gauges(routed.replica_id)
 
     def finish(self, routed: Routed, output_tokens: int | None) -> bool:
@@ -386,11 +384,15 @@ class RouterCore:
         ops = self.books.finish(routed, output_tokens)
         if ops is None:
             return False
-        for op in ops:  # it never had a first token: its speculative entry goes with it
-            if isinstance(op, Retract):
-                self._spawn(self.index.retract(op.replica_id, op.hashes, op.grace_s))
+        self._retract(ops)  # it never had a first token: its speculative entry goes with it
         self._gauges(routed.replica_id)
         return True
+
+    def _retract(self, ops: list[IndexOp]) -> None:
+        """The books' retractions, in the background (a request's life has only these)."""
+        for op in ops:
+            if isinstance(op, Retract):
+                self._spawn(self.index.retract(op.replica_id, op.hashes, op.grace_s))
 
     # -- the request scope's hooks (router/scope.py) ----------------------------------------------
     def on_admitted(self, scope: RequestScope) -> None:
