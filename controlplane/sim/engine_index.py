@@ -79,4 +79,4 @@ class EngineBackedIndex(InMemoryPrefixIndex):
         return None
 
     def clear(self, replica_id: str) -> None:
-        self._speculative.pop(replica_id, None)
+        self._speculative.forget(replica_id)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controlplane.prefix.memory import InMemoryPrefixIndex, _common_prefix
+from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.types import PrefixMatch
 
 
@@ -187,13 +187,16 @@ def test_replicas_are_independent() -> None:
     agree=st.integers(0, 24),
 )
 def test_common_prefix_of_chains(query_len: int, chain_len: int, agree: int) -> None:
+    """One speculative chain: its common prefix with the query, found by binary search."""
     tokens = list(range(query_len))
     other = tokens[: min(agree, chain_len)] + [10_000 + j for j in range(max(0, chain_len - agree))]
     q, c = chained(tokens), chained(other[:chain_len])
     brute = 0
     while brute < min(len(q), len(c)) and q[brute] == c[brute]:
         brute += 1
-    assert _common_prefix(q, c) == brute
+    idx = index()
+    idx.speculate("r0", c, ttl_s=1.0)
+    assert idx.holdings("r0", q) == ([False] * len(q), brute)
 
 
 @st.composite
