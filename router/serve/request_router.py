@@ -98,18 +98,22 @@ class PolicyRequestRouter(RequestRouter):
         gpu: str = "cpu",
         roofline_model: str = "tiny-llama",
         block_size: int = 32,
-        reservations: bool = True,
-        speculative: bool = True,
-        speculative_ttl_s: float = 60.0,
-        retract_grace_s: float = 1.0,
+        reservations: bool | None = None,
+        speculative: bool | None = None,
+        speculative_ttl_s: float | None = None,
+        retract_grace_s: float | None = None,
     ) -> None:
+        # the books' settings not given here keep PolicyConfig's defaults (one copy of them)
+        given: dict[str, Any] = {
+            "reservations": reservations,
+            "speculative": speculative,
+            "speculative_ttl_s": speculative_ttl_s,
+            "retract_grace_s": retract_grace_s,
+        }
         config = PolicyConfig(
             name=policy,
             params=policy_params or {},
-            reservations=reservations,
-            speculative=speculative,
-            speculative_ttl_s=speculative_ttl_s,
-            retract_grace_s=retract_grace_s,
+            **{key: value for key, value in given.items() if value is not None},
         )
         self.books = RoutingBooks(config)
         self.routing = ServeRouting(
