@@ -31,6 +31,7 @@ NATIVE_MODULES: tuple[str, ...] = (
     "controlplane/sim/scheduler.py",
     "controlplane/sim/request.py",
     "controlplane/sim/engine.py",
+    "controlplane/prefix/speculative.py",
     "controlplane/sim/engine_index.py",
     "controlplane/sim/fleet.py",
     "controlplane/sim/ids.py",
