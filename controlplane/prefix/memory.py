@@ -97,10 +97,10 @@ class InMemoryPrefixIndex:
         speculative.prune(self._clock())
         for rid in candidates:
             held = holds(rid, first)
-            if not held and not speculative.holds_first(rid, first):
+            spec = speculative.longest_prefix(rid, hashes)
+            if not held and not spec:
                 continue  # neither kind holds the first block: no match
             confirmed = walk(rid, hashes, 0) if held else 0
-            spec = speculative.longest_prefix(rid, hashes)
             matched = confirmed
             if spec > confirmed:
                 matched = spec + walk(rid, hashes, spec)

@@ -127,7 +127,6 @@ class SpeculativeChains:
         self._by_last: dict[str, dict[int, list[_Chain]]] = {}
         self._expiry: list[tuple[float, int, str, _Chain]] = []
         self._seq = 0
-        self._held = 0
 
     def add(self, replica_id: str, hashes: Sequence[int], expires_at: float, now: float) -> None:
         self.prune(now)
@@ -138,7 +137,6 @@ class SpeculativeChains:
             group = groups[hashes[0]] = _Group()
         group.add(chain)
         self._by_last.setdefault(replica_id, {}).setdefault(hashes[-1], []).append(chain)
-        self._held += 1
         self._push(replica_id, chain)
 
     def shorten(self, replica_id: str, hashes: Sequence[int], until: float, now: float) -> None:
@@ -156,7 +154,6 @@ class SpeculativeChains:
         for group in groups.values():
             for chain in group.chains:
                 chain.live = False
-                self._held -= 1
 
     def prune(self, now: float) -> None:
         """Drop the chains whose expiry has passed (expires_at <= now)."""
@@ -173,18 +170,12 @@ class SpeculativeChains:
         group = groups.get(hashes[0]) if groups and hashes else None
         return group.longest_prefix(hashes) if group is not None else 0
 
-    def holds_first(self, replica_id: str, first: int) -> bool:
-        """Does a live chain of the replica start with `first`."""
-        groups = self._groups.get(replica_id)
-        return groups is not None and first in groups
-
     def held(self) -> int:
         """Chains held (expired ones until `prune` drops them)."""
-        return self._held
+        return sum(len(g.chains) for groups in self._groups.values() for g in groups.values())
 
     def _remove(self, replica_id: str, chain: _Chain) -> None:
         chain.live = False
-        self._held -= 1
         first, last = chain.hashes[0], chain.hashes[-1]
         groups = self._groups[replica_id]
         group = groups[first]
