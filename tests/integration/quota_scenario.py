@@ -1,10 +1,11 @@
 """The quota hard-bound scenario on a live simulated fleet (used by `test_quota_live.py` and
 `bench/quota_bench.py`).
 
-    Redis + 3 simulated replicas (a, b, spare c) + N router processes (`controlplane serve`), one
+    Redis + 3 simulated replicas (a, b, c) + N router processes (`controlplane serve`), one
     hard-quota tenant; R concurrent requests of that tenant spread round-robin over the routers:
     streamed and not, with and without max_tokens (the cap is then injected), some clients leave
-    mid-stream or before the answer, and replica `a` is killed while it streams.
+    mid-stream or before the answer, and a replica is killed while it streams (the first one
+    whose stream to a client that stays has sent text, so the kill always lands mid-stream).
 
     admitted tokens = the replicas' own counters: Σ Δ(vllm:prompt_tokens_total +
     vllm:generation_tokens_total). The killed replica's counters die with it, so it is first
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import os
 import random
 import signal
@@ -39,9 +41,11 @@ from redis_server import free_port
 from router_fixtures import MODEL, metric_value, sim_args
 from sim_fleet import SimReplica
 
+from controlplane.loadgen import replica_of
 from controlplane.tenancy.quota import QuotaStats
 from controlplane.tenancy.quota_redis import RedisQuotaStore
 from deploy.processes import Child, spawn
+from router.telemetry import DECISION_HEADER as DECISION
 
 KEY = "cpk-quota-scenario-key"
 TENANT = "acme"
@@ -55,6 +59,7 @@ class QuotaRun:
     requests: int
     quota_tokens: int
     admitted_tokens: int
+    killed_replica: str
     killed_replica_tokens: int
     statuses: Counter[str] = field(default_factory=Counter)
     stats: QuotaStats = field(default_factory=QuotaStats)
@@ -79,6 +84,7 @@ class QuotaRun:
             # context: what the store charged (usage, or whole reservations when unknown), and
             # how the requests ended
             "charged_tokens": self.stats.charged,
+            "killed_replica": self.killed_replica,
             "killed_replica_tokens": self.killed_replica_tokens,
             "requests": self.requests,
             "reserved": self.stats.reserved,
@@ -151,12 +157,32 @@ def router_config(
         "quota": {"window": "sliding", "default_max_tokens": 48, "reservation_ttl_s": 300.0},
         "health": {"probe_interval_s": 0.5, "scrape_interval_s": 0.25},
         "timeouts": {"ttft_s": 15.0, "idle_s": 10.0},
-        "telemetry": {"json_logs": True, "log_level": "WARNING"},
+        # x-cp-decision names the serving replica: the scenario kills `a` once one of its streams
+        # has sent text
+        "telemetry": {"json_logs": True, "log_level": "WARNING", "decision_header": True},
     }
 
 
+@dataclass
+class Doomed:
+    """The replica to kill: the first whose stream to a client that will not hang up sent text
+    (so the kill lands mid-stream, after the replica counted tokens); `chosen` is set then."""
+
+    replica: str | None = None
+    chosen: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def streaming_on(self, replica: str | None) -> None:
+        if replica is not None and self.replica is None:
+            self.replica = replica
+            self.chosen.set()
+
+
 async def one_request(
-    client: httpx.AsyncClient, url: str, rng: random.Random, statuses: Counter[str]
+    client: httpx.AsyncClient,
+    url: str,
+    rng: random.Random,
+    statuses: Counter[str],
+    doomed: Doomed,
 ) -> None:
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 30)))
     body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": words}]}
@@ -178,6 +204,7 @@ async def one_request(
             await r.aread()
             statuses[str(r.status_code)] += 1
             return
+        replica = replica_of(r.headers.get(DECISION)) if leave_after is None else None
         events = 0
         async for line in r.aiter_lines():
             if not line.startswith("data:"):
@@ -189,23 +216,34 @@ async def one_request(
                 statuses["200"] += 1
                 return
             events += 1
+            if replica is not None and _has_text(line):
+                doomed.streaming_on(replica)
             if leave_after is not None and events >= leave_after:
                 statuses["client_left"] += 1
                 return  # closing the stream here disconnects
         statuses["ended_early"] += 1
 
 
-async def kill_mid_stream(doomed: SimReplica, done: asyncio.Event) -> int:
-    """Once `doomed` streams, stall it, read its frozen counters, SIGKILL it; its tokens."""
+def _has_text(line: str) -> bool:
+    """A stream event carrying generated text (the first event only names the role)."""
+    with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+        return bool(json.loads(line[len("data:") :])["choices"][0]["delta"].get("content"))
+    return False
+
+
+async def kill_mid_stream(
+    sims: dict[str, SimReplica], watch: Doomed, done: asyncio.Event
+) -> tuple[str, int]:
+    """Once a replica's stream has sent text (`watch`), stall that replica, read its frozen
+    counters, SIGKILL it; returns its id and tokens. When no stream qualified before every
+    request ended, the first replica goes (the scenario then shows no stream that died)."""
     loop = asyncio.get_running_loop()
-
-    def running() -> float:
-        text = httpx.get(f"{doomed.url}/metrics", timeout=5.0).text
-        return metric_value(text, "vllm:num_requests_running")
-
-    while await loop.run_in_executor(None, running) < 1 and not done.is_set():
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.1)  # a few tokens into its streams
+    waits = [asyncio.ensure_future(e.wait()) for e in (watch.chosen, done)]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    rid = watch.replica or next(iter(sims))
+    doomed = sims[rid]
     await loop.run_in_executor(None, lambda: doomed.set_faults(stall=True))
     before, now = -1, await loop.run_in_executor(None, tokens, doomed.url)
     while now != before:  # the step in progress, if any, has completed
@@ -213,27 +251,30 @@ async def kill_mid_stream(doomed: SimReplica, done: asyncio.Event) -> int:
         before, now = now, await loop.run_in_executor(None, tokens, doomed.url)
     assert doomed.child is not None
     doomed.child.signal(signal.SIGKILL)
-    return now
+    return rid, now
 
 
-async def drive(routers: list[RouterProcess], doomed: SimReplica, n: int, seed: int) -> Any:
+async def drive(
+    routers: list[RouterProcess], sims: dict[str, SimReplica], n: int, seed: int
+) -> Any:
     rng = random.Random(seed)
     statuses: Counter[str] = Counter()
     done = asyncio.Event()
     limits = httpx.Limits(max_connections=2 * n, max_keepalive_connections=0)
     headers = {"authorization": f"Bearer {KEY}"}
+    watch = Doomed()
     async with httpx.AsyncClient(limits=limits, headers=headers, timeout=30.0) as client:
-        killer = asyncio.ensure_future(kill_mid_stream(doomed, done))
+        killer = asyncio.ensure_future(kill_mid_stream(sims, watch, done))
         rngs = [random.Random(rng.random()) for _ in range(n)]
         await asyncio.gather(
             *(
-                one_request(client, routers[i % len(routers)].url, rngs[i], statuses)
+                one_request(client, routers[i % len(routers)].url, rngs[i], statuses, watch)
                 for i in range(n)
             )
         )
         done.set()
-        killed_tokens = await killer
-    return statuses, killed_tokens
+        killed, killed_tokens = await killer
+    return statuses, killed, killed_tokens
 
 
 async def settled_stats(redis_url: str, timeout_s: float = 20.0) -> QuotaStats:
@@ -273,10 +314,10 @@ def run_quota_scenario(
             for p in procs:
                 p.wait_ready(len(sims))
             base = {rid: tokens(sim.url) for rid, sim in sims.items()}
-            statuses, killed = asyncio.run(drive(procs, sims["a"], requests, seed))
+            statuses, dead, killed = asyncio.run(drive(procs, sims, requests, seed))
             stats = asyncio.run(settled_stats(redis_url))
-            admitted = killed - base["a"]
-            admitted += sum(tokens(sims[rid].url) - base[rid] for rid in names if rid != "a")
+            admitted = killed - base[dead]
+            admitted += sum(tokens(sims[rid].url) - base[rid] for rid in names if rid != dead)
             settlements: Counter[str] = Counter()
             rejections = 0.0
             for p in procs:
@@ -290,7 +331,8 @@ def run_quota_scenario(
                 requests=requests,
                 quota_tokens=quota_tokens,
                 admitted_tokens=admitted,
-                killed_replica_tokens=killed - base["a"],
+                killed_replica=dead,
+                killed_replica_tokens=killed - base[dead],
                 statuses=statuses,
                 stats=stats,
                 router_settlements=dict(settlements),
