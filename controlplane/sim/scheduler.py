@@ -180,7 +180,9 @@ class Scheduler:
         start = req.num_cached_blocks
         if full > start:
             parent = req.block_hash(start - 1) if start else None
-            if full - start <= 8:  # the decode path: plain lists
+            if full == start + 1:  # a decode step filled one block
+                self.pool.cache_one(int(req.blocks[start]), req.block_hash(start), parent)
+            elif full - start <= 8:  # a few blocks: plain lists
                 hashes = [req.block_hash(i) for i in range(start, full)]
                 self.pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
             else:
@@ -208,7 +210,8 @@ class Scheduler:
         scheduled = batch.scheduled
         threshold = self.long_prefill_token_threshold
         bs, max_len = self.block_size, self.max_model_len
-        caching = self.pool.enable_caching
+        pool = self.pool
+        caching = pool.enable_caching
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
@@ -225,12 +228,24 @@ class Scheduler:
                 i += 1
                 continue
             end = c + num_new
-            if end <= len(req.blocks) * bs and not (
-                caching and min(end, num_tokens) // bs > req.num_cached_blocks
-            ):
+            room = len(req.blocks) * bs
+            fills = caching and min(end, num_tokens) // bs > req.num_cached_blocks
+            if end <= room and not fills:
                 # its blocks have room and fill none: nothing to allocate or cache (most decodes)
                 scheduled.append((req, num_new, c))
                 budget -= num_new
+                i += 1
+                continue
+            if num_new == 1 and (end <= room or pool.num_free):
+                # a decode at a block boundary (what `_allocate_slots` does, without its
+                # generality): at most one new block, at most one block filled
+                if end > room:
+                    one = np.array((pool.allocate_one(),), dtype=np.int64)
+                    req.blocks = np.concatenate((req.blocks, one)) if room else one
+                if fills:
+                    self.cache_full(req, min(end, num_tokens) // bs)
+                scheduled.append((req, 1, c))
+                budget -= 1
                 i += 1
                 continue
             while True:
