@@ -10,16 +10,18 @@ are relabeled with one `numpy.unique` over every block of the trace.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from controlplane.traces.model import Trace
+from controlplane.traces.model import Trace, TraceRequest
 
 Ids = npt.NDArray[np.int64]
 DIRECT_LIMIT = 1 << 26
-_NONE: Ids = np.zeros(0, dtype=np.int64)
 _SUB: Ids = np.arange(4096, dtype=np.int64)
+_SUB_U: npt.NDArray[np.uint64] = np.arange(4096, dtype=np.uint64)
+AnyIds = npt.NDArray[Any]
 
 
 def dense_block_ids(trace: Trace, block_size: int) -> tuple[list[Ids], int]:
@@ -34,18 +36,31 @@ def dense_block_ids(trace: Trace, block_size: int) -> tuple[list[Ids], int]:
                 return dense_from_hashes([r.engine_block_hashes(block_size) for r in reqs])
             top = max(top, (max(r.content_ids) + 1) * (r.id_block_tokens // block_size))
     if top >= DIRECT_LIMIT:
-        return dense_from_hashes([r.engine_block_hashes(block_size) for r in reqs])
-    out: list[Ids] = []
-    for r in reqs:
-        if not r.content_ids:
-            out.append(_NONE)
-            continue
-        per = r.id_block_tokens // block_size
-        full = min(r.described_tokens // block_size, len(r.content_ids) * per)
-        cids = np.asarray(r.content_ids[: -(-full // per)], dtype=np.int64)
-        sub = _SUB[:per] if per <= len(_SUB) else np.arange(per, dtype=np.int64)
-        out.append((cids[:, None] * per + sub).ravel()[:full])
-    return out, max(1, top)
+        if top > 1 << 64:  # hashes past 64 bits: the generic path says so
+            return dense_from_hashes([r.engine_block_hashes(block_size) for r in reqs])
+        return _relabel([_engine_hashes(r, block_size, _SUB_U) for r in reqs])
+    return [_engine_hashes(r, block_size, _SUB) for r in reqs], max(1, top)
+
+
+def _engine_hashes(r: TraceRequest, block_size: int, sub: AnyIds) -> AnyIds:
+    """`r.engine_block_hashes(block_size)` as an array of `sub`'s dtype (int64, or uint64 for
+    ids in the high bits), built without a Python int per block; the caller checked that they
+    fit."""
+    per = r.id_block_tokens // block_size
+    full = min(r.described_tokens // block_size, len(r.content_ids) * per)
+    cids = np.asarray(r.content_ids[: -(-full // per)], dtype=sub.dtype)
+    if per == 1:
+        return cids[:full]
+    step = sub[:per] if per <= len(sub) else np.arange(per, dtype=sub.dtype)
+    return (cids[:, None] * per + step).ravel()[:full]
+
+
+def _relabel(raw: list[npt.NDArray[np.uint64]]) -> tuple[list[Ids], int]:
+    """`dense_from_hashes` over per-request uint64 arrays."""
+    lengths = [len(h) for h in raw]
+    if not sum(lengths):
+        return [np.zeros(0, dtype=np.int64) for _ in raw], 1
+    return _dense(np.concatenate(raw), lengths)
 
 
 def dense_from_hashes(raw: Sequence[Sequence[int]]) -> tuple[list[Ids], int]:
@@ -53,7 +68,11 @@ def dense_from_hashes(raw: Sequence[Sequence[int]]) -> tuple[list[Ids], int]:
     total = sum(lengths)
     if not total:
         return [np.zeros(0, dtype=np.int64) for _ in raw], 1
-    flat = np.fromiter((x for h in raw for x in h), dtype=np.uint64, count=total)
+    return _dense(np.fromiter((x for h in raw for x in h), dtype=np.uint64, count=total), lengths)
+
+
+def _dense(flat: npt.NDArray[np.uint64], lengths: list[int]) -> tuple[list[Ids], int]:
+    """Small hashes as they are, larger ones by rank (`numpy.unique`); split per request."""
     top = int(flat.max())
     if top < DIRECT_LIMIT:
         dense = flat.astype(np.int64)
@@ -63,4 +82,4 @@ def dense_from_hashes(raw: Sequence[Sequence[int]]) -> tuple[list[Ids], int]:
         dense = inverse.astype(np.int64)
         floor = len(uniq)
     bounds = np.cumsum([0, *lengths])
-    return [dense[bounds[i] : bounds[i + 1]] for i in range(len(raw))], floor
+    return [dense[bounds[i] : bounds[i + 1]] for i in range(len(lengths))], floor
