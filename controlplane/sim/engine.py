@@ -434,6 +434,7 @@ class SimEngine:
                 if p < extra:
                     got = np.concatenate((got, popped[full + p : full + p + 1]))
                 req.blocks = np.concatenate((req.blocks, got))
+                req.num_blocks += len(got)
         if pool.enable_caching:
             cache_full = self.sched.cache_full
             for req, c in members:
@@ -458,5 +459,6 @@ class SimEngine:
             req, c = members[idx]
             if kind == 0:
                 req.blocks = np.concatenate((req.blocks, pool.allocate(1)))
+                req.num_blocks += 1
             elif pool.enable_caching:
                 self.sched.cache_full(req, (c + s) // bs)

@@ -34,6 +34,7 @@ class EngineRequest:
         "first_token_s",
         "known_hashes",
         "max_output",
+        "num_blocks",
         "num_cached_blocks",
         "num_computed",
         "num_output",
@@ -80,6 +81,7 @@ class EngineRequest:
         self.num_computed = 0
         self.num_output = 0
         self.blocks: Ids = NO_BLOCKS
+        self.num_blocks = 0  # len(blocks), kept beside it for the step loop
         self.num_cached_blocks = 0
         self.preemptions = 0
         # prompt tokens served from the prefix cache at first admission (usage.cached_tokens)

@@ -156,19 +156,21 @@ class Scheduler:
         num_hit = 0 if hit_blocks is None else len(hit_blocks)
         computed = req.num_computed + num_hit * bs
         need_tokens = min(computed + num_new, self.max_model_len)
-        new_blocks = -(-need_tokens // bs) - num_hit - len(req.blocks)
+        new_blocks = -(-need_tokens // bs) - num_hit - req.num_blocks
         if num_hit:
             assert hit_blocks is not None
             if new_blocks + pool.evictable_among(hit_blocks) > pool.num_free:
                 return False
             pool.touch(hit_blocks)
             req.blocks = np.concatenate((req.blocks, hit_blocks))
-            req.num_cached_blocks = len(req.blocks)
+            req.num_blocks += num_hit
+            req.num_cached_blocks = req.num_blocks
         if new_blocks > 0:
             if new_blocks > pool.num_free:
                 return False
             fresh = pool.allocate(new_blocks)
-            req.blocks = fresh if not len(req.blocks) else np.concatenate((req.blocks, fresh))
+            req.blocks = fresh if not req.num_blocks else np.concatenate((req.blocks, fresh))
+            req.num_blocks += new_blocks
         if pool.enable_caching:
             full = min(computed + num_new, req.num_tokens) // bs
             if full > req.num_cached_blocks:
@@ -192,6 +194,7 @@ class Scheduler:
     def free(self, req: EngineRequest) -> None:
         self.pool.free(req.blocks[::-1])
         req.blocks = NO_BLOCKS
+        req.num_blocks = 0
         req.num_cached_blocks = 0
 
     def _preempt(self, req: EngineRequest) -> None:
@@ -228,7 +231,7 @@ class Scheduler:
                 i += 1
                 continue
             end = c + num_new
-            room = len(req.blocks) * bs
+            room = req.num_blocks * bs
             fills = caching and min(end, num_tokens) // bs > req.num_cached_blocks
             if end <= room and not fills:
                 # its blocks have room and fill none: nothing to allocate or cache (most decodes)
@@ -242,6 +245,7 @@ class Scheduler:
                 if end > room:
                     one = np.array((pool.allocate_one(),), dtype=np.int64)
                     req.blocks = np.concatenate((req.blocks, one)) if room else one
+                    req.num_blocks += 1
                 if fills:
                     self.cache_full(req, min(end, num_tokens) // bs)
                 scheduled.append((req, 1, c))

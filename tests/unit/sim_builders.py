@@ -507,9 +507,10 @@ def check_pool(pool: BlockPool, holders: Iterable[Sequence[int] | Blocks] | None
 def check_scheduler(sched: Scheduler) -> None:
     """Pool invariants with the running requests as the only holders."""
     for r in sched.waiting:
-        assert len(r.blocks) == 0, f"waiting request {r} holds blocks"
+        assert len(r.blocks) == 0 == r.num_blocks, f"waiting request {r} holds blocks"
     for r in sched.running:
         assert isinstance(r.blocks, np.ndarray) and r.blocks.dtype == np.int64
+        assert r.num_blocks == len(r.blocks)
         assert r.num_cached_blocks <= len(r.blocks)
         # cached blocks carry the request's chained hashes
         cached = [sched.pool.block_hash(int(b)) for b in r.blocks[: r.num_cached_blocks]]
