@@ -150,7 +150,7 @@ class SimEngine:
         if req.unique_base < 0:
             blocks = -(-(req.prompt_tokens + req.max_output) // self.block_size)
             req.unique_base = self._next_unique
-            self._next_unique += max(1, blocks - len(req.known_hashes))
+            self._next_unique += max(1, blocks - req.num_known)
         self.sched.waiting.add(req)
         return self._cut(now)
 
@@ -180,7 +180,7 @@ class SimEngine:
         """The run in progress will cache blocks other requests can hit (session content)."""
         run = self._run
         return run is not None and any(
-            len(req.known_hashes) > req.num_cached_blocks for req, _ in run.members
+            req.num_known > req.num_cached_blocks for req, _ in run.members
         )
 
     def _allocations(self, run: DecodeRun, first: int, last: int) -> int:
@@ -373,7 +373,7 @@ class SimEngine:
         limit = 1 << 30
         for req, c in members:
             s = (bs - 1 - c) % bs + 1  # first skipped step that fills a block
-            if (c + s) // bs - 1 < len(req.known_hashes):
+            if (c + s) // bs - 1 < req.num_known:
                 limit = min(limit, s - 1)
         return limit
 

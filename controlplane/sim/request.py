@@ -37,6 +37,7 @@ class EngineRequest:
         "num_blocks",
         "num_cached_blocks",
         "num_computed",
+        "num_known",
         "num_output",
         "preemptions",
         "priority",
@@ -68,6 +69,7 @@ class EngineRequest:
         self.max_output = max(1, max_output)
         # hash ids of the blocks whose content the trace knows (usually the prompt's full blocks)
         self.known_hashes: Ids = np.asarray(known_hashes, dtype=np.int64)
+        self.num_known = len(self.known_hashes)
         # hash ids of blocks nobody else can have (generated text, unknown prompt content) are
         # unique_base + (block index - len(known_hashes)); the engine assigns the base
         self.unique_base = -1
@@ -103,7 +105,7 @@ class EngineRequest:
 
     def block_hash(self, index: int) -> int:
         """Chained hash id of block `index`; blocks beyond the known content are unique."""
-        known = len(self.known_hashes)
+        known = self.num_known
         if index < known:
             return int(self.known_hashes[index])
         return self.unique_base + index - known

@@ -181,14 +181,16 @@ class Scheduler:
         """Cache the request's blocks up to `full` (those filled since it last cached)."""
         start = req.num_cached_blocks
         if full > start:
-            parent = req.block_hash(start - 1) if start else None
+            pool = self.pool
+            # the parent hash only goes into the KV event
+            parent = req.block_hash(start - 1) if start and pool.events_enabled else None
             if full == start + 1:  # a decode step filled one block
-                self.pool.cache_one(int(req.blocks[start]), req.block_hash(start), parent)
+                pool.cache_one(int(req.blocks[start]), req.block_hash(start), parent)
             elif full - start <= 8:  # a few blocks: plain lists
                 hashes = [req.block_hash(i) for i in range(start, full)]
-                self.pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
+                pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
             else:
-                self.pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
+                pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
             req.num_cached_blocks = full
 
     def free(self, req: EngineRequest) -> None:
