@@ -325,17 +325,21 @@ class SimEngine:
         k = 1 << 30
         members: list[tuple[EngineRequest, int]] = []
         context_sum = 0
+        bs = self.block_size
+        slack = [0] * bs  # slack[r]: members with r free token slots in their last block
         for req, num_new, c in batch.scheduled:
-            if num_new != 1 or req.num_output == 0 or req.num_computed != req.num_tokens:
+            computed = req.num_computed
+            if num_new != 1 or req.num_output == 0 or computed != req.num_tokens:
                 return None
             rem = req.max_output - req.num_output
             if rem < k:
                 k = rem
-            members.append((req, req.num_computed))
+            members.append((req, computed))
+            slack[-computed % bs] += 1
             context_sum += c
         if k <= 1:
             return None
-        extra = self._kv_limited_extra_steps(members, k - 1)
+        extra = self._kv_limited_extra_steps(slack, k - 1)
         if batch.admission_blocked:
             extra = min(extra, self._steps_before_shared_fill(members))
         if extra <= 0:
@@ -345,13 +349,16 @@ class SimEngine:
         delta = (t_last - dt) / (steps - 1)
         return DecodeRun(start_s=now, steps=steps, t_first=dt, delta=delta, members=members)
 
-    def _kv_limited_extra_steps(self, members: list[tuple[EngineRequest, int]], upper: int) -> int:
-        """Largest e <= upper such that e more decode steps need no more than the free blocks."""
+    def _kv_limited_extra_steps(self, slack: list[int], upper: int) -> int:
+        """Largest e <= upper such that e more decode steps need no more than the free blocks.
+
+        A sequence with r free slots in its last block needs ceil((e - r) / B) new blocks for e
+        more tokens (none while e <= r), so the need is a sum over the B slack counts."""
         free = self.pool.num_free
         bs = self.block_size
 
         def need(e: int) -> int:
-            return sum(-(-(c + e) // bs) - -(-c // bs) for _, c in members)
+            return sum(count * -((r - e) // bs) for r, count in enumerate(slack) if count)
 
         if need(upper) <= free:
             return upper
