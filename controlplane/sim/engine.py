@@ -327,21 +327,31 @@ class SimEngine:
         context_sum = 0
         bs = self.block_size
         slack = [0] * bs  # slack[r]: members with r free token slots in their last block
+        # a waiting head blocked on KV could hit a block whose content other requests share
+        # (sessions whose content ids cover generated text) and fit: the step that fills one is
+        # scheduled normally, with admission; `shared` bounds the skipped steps before it
+        shared = 1 << 30 if batch.admission_blocked else -1
         for req, num_new, c in batch.scheduled:
             computed = req.num_computed
             if num_new != 1 or req.num_output == 0 or computed != req.num_tokens:
                 return None
             rem = req.max_output - req.num_output
+            if rem <= 1:  # it finishes at the next step: no run (checked as found)
+                return None
             if rem < k:
                 k = rem
+            if shared >= 0:
+                s = (bs - 1 - computed) % bs + 1  # the first skipped step that fills a block
+                if s < shared + 1 and (computed + s) // bs - 1 < req.num_known:
+                    if s == 1:
+                        return None
+                    shared = s - 1
             members.append((req, computed))
             slack[-computed % bs] += 1
             context_sum += c
-        if k <= 1:
-            return None
         extra = self._kv_limited_extra_steps(slack, k - 1)
-        if batch.admission_blocked:
-            extra = min(extra, self._steps_before_shared_fill(members))
+        if shared >= 0:
+            extra = min(extra, shared)
         if extra <= 0:
             return None
         steps = extra + 1
@@ -370,19 +380,6 @@ class SimEngine:
             else:
                 hi = mid
         return lo
-
-    def _steps_before_shared_fill(self, members: list[tuple[EngineRequest, int]]) -> int:
-        """Skipped steps before one fills a block whose content other requests may share.
-
-        A waiting head blocked on KV could hit such a block and fit (sessions whose content ids
-        cover generated text); that step must be scheduled normally, with admission."""
-        bs = self.block_size
-        limit = 1 << 30
-        for req, c in members:
-            s = (bs - 1 - c) % bs + 1  # first skipped step that fills a block
-            if (c + s) // bs - 1 < req.num_known:
-                limit = min(limit, s - 1)
-        return limit
 
     def _advance_run(self, run: DecodeRun, upto: int) -> None:
         """Schedule skipped steps applied+1..upto and apply the outputs of steps before them."""
