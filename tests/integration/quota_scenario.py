@@ -157,8 +157,8 @@ def router_config(
         "quota": {"window": "sliding", "default_max_tokens": 48, "reservation_ttl_s": 300.0},
         "health": {"probe_interval_s": 0.5, "scrape_interval_s": 0.25},
         "timeouts": {"ttft_s": 15.0, "idle_s": 10.0},
-        # x-cp-decision names the serving replica: the scenario kills `a` once one of its streams
-        # has sent text
+        # x-cp-decision names the serving replica: the scenario kills the first replica whose
+        # stream to a client that stays has sent text
         "telemetry": {"json_logs": True, "log_level": "WARNING", "decision_header": True},
     }
 
