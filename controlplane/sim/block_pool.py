@@ -236,12 +236,6 @@ class BlockPool:
             return _EMPTY
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-    def allocate_one(self) -> int:
-        """`allocate(1)` as a plain int (a decode step's new block)."""
-        if self.num_free < 1:
-            raise RuntimeError("allocate(1) with no free block")
-        return self._allocate_small(1)[0]
-
     def cache(self, blocks: IdsLike, hashes: IdsLike, parent: int | None) -> None:
         """Mark newly full blocks as cached under their chained hashes (one `BlockStored`).
 
@@ -401,21 +395,6 @@ class BlockPool:
                 self._dups.setdefault(h, []).append(b)
         if self.events_enabled:
             self.events.append(BlockStored(hashes, parent, self.block_size))
-
-    def cache_one(self, block: int, h: int, parent: int | None) -> None:
-        """`cache_few` for one block (a decode step that fills one)."""
-        if h < 0:
-            raise ValueError("hash ids are non-negative")
-        if h >= self._id_top:
-            self._raise_id_top(h)
-        self._hash[block] = h
-        cached = self._cached
-        if not cached[h]:
-            cached[h] = block
-        else:
-            self._dups.setdefault(h, []).append(block)
-        if self.events_enabled:
-            self.events.append(BlockStored([h], parent, self.block_size))
 
     def _popleft(self, n: int) -> Blocks:
         """The `n` live blocks at the head of the recycled free queue, taken out of it."""

@@ -57,22 +57,19 @@ def _engine_hashes(r: TraceRequest, block_size: int, sub: AnyIds) -> AnyIds:
 
 def _relabel(raw: list[npt.NDArray[np.uint64]]) -> tuple[list[Ids], int]:
     """`dense_from_hashes` over per-request uint64 arrays."""
-    lengths = [len(h) for h in raw]
-    if not sum(lengths):
-        return [np.zeros(0, dtype=np.int64) for _ in raw], 1
-    return _dense(np.concatenate(raw), lengths)
+    return _dense(np.concatenate(raw), [len(h) for h in raw])
 
 
 def dense_from_hashes(raw: Sequence[Sequence[int]]) -> tuple[list[Ids], int]:
     lengths = [len(h) for h in raw]
-    total = sum(lengths)
-    if not total:
-        return [np.zeros(0, dtype=np.int64) for _ in raw], 1
-    return _dense(np.fromiter((x for h in raw for x in h), dtype=np.uint64, count=total), lengths)
+    flat = np.fromiter((x for h in raw for x in h), dtype=np.uint64, count=sum(lengths))
+    return _dense(flat, lengths)
 
 
 def _dense(flat: npt.NDArray[np.uint64], lengths: list[int]) -> tuple[list[Ids], int]:
     """Small hashes as they are, larger ones by rank (`numpy.unique`); split per request."""
+    if not len(flat):
+        return [np.zeros(0, dtype=np.int64) for _ in lengths], 1
     top = int(flat.max())
     if top < DIRECT_LIMIT:
         dense = flat.astype(np.int64)

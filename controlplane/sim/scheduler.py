@@ -185,7 +185,7 @@ class Scheduler:
             # the parent hash only goes into the KV event
             parent = req.block_hash(start - 1) if start and pool.events_enabled else None
             if full == start + 1:  # a decode step filled one block
-                pool.cache_one(int(req.blocks[start]), req.block_hash(start), parent)
+                pool.cache_few([int(req.blocks[start])], [req.block_hash(start)], parent)
             elif full - start <= 8:  # a few blocks: plain lists
                 hashes = [req.block_hash(i) for i in range(start, full)]
                 pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
@@ -245,7 +245,7 @@ class Scheduler:
                 # a decode at a block boundary (what `_allocate_slots` does, without its
                 # generality): at most one new block, at most one block filled
                 if end > room:
-                    one = np.array((pool.allocate_one(),), dtype=np.int64)
+                    one = pool.allocate(1)
                     req.blocks = np.concatenate((req.blocks, one)) if room else one
                     req.num_blocks += 1
                 if fills:

@@ -662,26 +662,6 @@ class PoolMachine(RuleBasedStateMachine):
         if got:
             self._new_owner(got, list(got))
 
-    @precondition(lambda self: self.model.num_free > 0)
-    @rule()
-    def allocate_one(self) -> None:
-        """The decode path's single block, as an int."""
-        held = {b for blocks in self.owners.values() for b in blocks}
-        got = self.pool.allocate_one()
-        assert isinstance(got, int) and [got] == self.model.allocate(1)
-        assert got not in held, "a referenced block was handed out again"
-        self._new_owner([got], [got])
-
-    @precondition(lambda self: any(self.uncached.values()))
-    @rule(data=st.data())
-    def cache_one(self, data: st.DataObject) -> None:
-        """The decode path's one newly full block."""
-        owner = data.draw(st.sampled_from(sorted(o for o, u in self.uncached.items() if u)))
-        block = self.uncached[owner].pop(0)
-        h, parent = data.draw(HASHES), data.draw(st.none() | HASHES)
-        self.pool.cache_one(block, h, parent)
-        self.model.cache([block], [h], parent)
-
     @precondition(lambda self: any(self.uncached.values()))
     @rule(data=st.data())
     def cache(self, data: st.DataObject) -> None:
