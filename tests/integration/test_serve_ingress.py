@@ -194,24 +194,24 @@ CHAT_MESSAGES: list[Any] = [{"role": "user", "content": "Tell me about fleets of
 def test_sdk_non_streaming_is_the_same(stacks: Stacks, api: str) -> None:
     seen = []
     for i, base in enumerate((stacks.serve, stacks.alone)):
-        client = _client(base)
-        rid = {"x-request-id": f"same-{api}-{i}"}
-        if api == "chat":
-            raw = client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=CHAT_MESSAGES, max_tokens=12, extra_headers=rid
-            )
-            out = raw.parse()
-            finish = [c.finish_reason for c in out.choices]
-        else:
-            raw_c = client.completions.with_raw_response.create(
-                model=MODEL, prompt="Once upon a time", max_tokens=12, extra_headers=rid
-            )
-            raw, out = raw_c, raw_c.parse()  # type: ignore[assignment]
-            finish = [c.finish_reason for c in out.choices]
-        assert out.usage is not None
-        assert raw.headers["x-request-id"] == rid["x-request-id"]
-        headers = _router_headers(raw.headers)
-        headers.pop("x-request-id")
+        with _client(base) as client:
+            rid = {"x-request-id": f"same-{api}-{i}"}
+            if api == "chat":
+                raw = client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=CHAT_MESSAGES, max_tokens=12, extra_headers=rid
+                )
+                out = raw.parse()
+                finish = [c.finish_reason for c in out.choices]
+            else:
+                raw_c = client.completions.with_raw_response.create(
+                    model=MODEL, prompt="Once upon a time", max_tokens=12, extra_headers=rid
+                )
+                raw, out = raw_c, raw_c.parse()  # type: ignore[assignment]
+                finish = [c.finish_reason for c in out.choices]
+            assert out.usage is not None
+            assert raw.headers["x-request-id"] == rid["x-request-id"]
+            headers = _router_headers(raw.headers)
+            headers.pop("x-request-id")
         seen.append((out.usage.prompt_tokens, out.usage.completion_tokens, finish, headers))
     assert seen[0] == seen[1]
 
@@ -220,19 +220,19 @@ def test_sdk_non_streaming_is_the_same(stacks: Stacks, api: str) -> None:
 def test_sdk_streaming_is_the_same(stacks: Stacks, include_usage: bool) -> None:
     seen = []
     for base in (stacks.serve, stacks.alone):
-        client = _client(base)
-        opts: ChatCompletionStreamOptionsParam | None = (
-            {"include_usage": True} if include_usage else None
-        )
-        raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=CHAT_MESSAGES, max_tokens=12, stream=True, stream_options=opts
-        )
-        headers = _router_headers(raw.headers)
-        chunks = list(raw.parse())
-        usage = [c.usage.model_dump() for c in chunks if c.usage is not None]
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
-        content = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
-        headers.pop("x-request-id")
+        with _client(base) as client:
+            opts: ChatCompletionStreamOptionsParam | None = (
+                {"include_usage": True} if include_usage else None
+            )
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=CHAT_MESSAGES, max_tokens=12, stream=True, stream_options=opts
+            )
+            headers = _router_headers(raw.headers)
+            chunks = list(raw.parse())
+            usage = [c.usage.model_dump() for c in chunks if c.usage is not None]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+            content = sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+            headers.pop("x-request-id")
         seen.append((usage, [f for f in finish if f], content, headers))
     assert seen[0] == seen[1]
     assert bool(seen[0][0]) is include_usage
