@@ -6,11 +6,17 @@ Kubernetes API server, a private redis-server per test, and store factories.
 `make_store` (`RedisQuotaStore`s) build stores against it and on teardown close them and assert
 that they left no asyncio task and no open connection behind. Tests using them carry the `redis`
 marker and are skipped when `redis-server` is not installed.
+
+After every test's and every module's teardown the garbage collector runs, so that a socket,
+file or event loop a test forgot to close (kept alive by a reference cycle until some later
+collection) fails that test with its ResourceWarning, not whichever later test the collector
+happens to run in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -28,6 +34,22 @@ from deploy.tiny_model import ensure_tiny_model
 
 INDEX_CLIENT_NAME = "cp-test-index"
 QUOTA_CLIENT_NAME = "cp-test-quota"
+
+
+@pytest.fixture(autouse=True)
+def _collect_after_test() -> Iterator[None]:
+    """Garbage collection as the test's last teardown step (set up first, torn down last);
+    pytest's check for unraisable exceptions runs right after it and fails this test."""
+    yield
+    gc.collect()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collect_after_module() -> Iterator[None]:
+    """The same once the module's shared fixtures are torn down (their leaks fail the module's
+    last test)."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
