@@ -73,8 +73,9 @@ class SimReplica:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self
             time.sleep(0.02)
+        err = self.stderr  # read before stop() closes the file
         self.stop()
-        raise TimeoutError(f"sim replica not healthy in {self.start_timeout_s}s: {self.stderr}")
+        raise TimeoutError(f"sim replica not healthy in {self.start_timeout_s}s: {err}")
 
     def _read_ready_line(self, deadline: float) -> str:
         assert self.child is not None and self.child.stdout is not None
@@ -92,8 +93,9 @@ class SimReplica:
                         return line[len(READY_PREFIX) :].strip()
             elif self.child.poll() is not None:
                 break
+        err = self.stderr  # read before stop() closes the file
         self.stop()
-        raise RuntimeError(f"sim replica did not start: {buf!r} {self.stderr}")
+        raise RuntimeError(f"sim replica did not start: {buf!r} {err}")
 
     @property
     def pid(self) -> int:
