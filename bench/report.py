@@ -241,6 +241,32 @@ def index(data: Any) -> str:
     )
 
 
+def index_faults(data: Any) -> str:
+    w = data["worst"]
+
+    def ms(key: str) -> str:
+        return f"{w[key] * 1e3:.1f} ms"
+
+    def us(key: str) -> str:
+        return f"{w[key] * 1e6:.1f} us"
+
+    budget = f"{w['budget_s'] * 1e3:.0f} ms"
+    rows = [
+        ("dead Redis: the 3 lookups that open the breaker, slowest", ms("opening_lookup_max_s"),
+         "< 250 ms"),
+        ("breaker open: per lookup (no I/O)", us("open_lookup_mean_s"), "< 1 ms"),
+        ("breaker open: per write (dropped, counted)", us("open_write_mean_s"), ""),
+        (f"hung Redis: lookup, budget {budget} (min / max)",
+         f"{ms('hung_lookup_min_s')} / {ms('hung_lookup_max_s')}", "the budget"),
+        ("hung Redis: a write (queued)", us("hung_write_s"), ""),
+        ("answers again after SIGCONT (cool-down 0.2 s)", ms("recovery_after_resume_s"), "< 2 s"),
+        ("answers again after a restart (cool-down 0.2 s)", ms("recovery_after_restart_s"),
+         "< 2 s"),
+        ("close with Redis hung (flush timeout 0.2 s)", ms("aclose_hung_s"), "< 1 s"),
+    ]  # fmt: skip
+    return md_table([f"worst of {len(data['rounds'])} rounds", "measured", "target"], rows)
+
+
 def router_overhead(data: Any) -> str:
     start = min((r["rate"] for r in data["ramp"]), default=0)
     by_rate = data.get("by_rate") or {
@@ -594,6 +620,7 @@ SECTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "demo": ("routing_quality.json", demo),
     "ablation": ("routing_quality.json", ablation),
     "index": ("index.json", index),
+    "index_faults": ("index_faults.json", index_faults),
     "router_overhead": ("router_overhead.json", router_overhead),
     "ray_serve": ("ray_serve.json", ray_serve),
     "live_quality": ("live_quality.json", live_quality),

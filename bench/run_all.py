@@ -24,6 +24,7 @@ BENCHES = (
     "sim_speed.py --native",
     "sim_native.py",
     "index_bench.py",
+    "index_faults.py",
     "router_overhead.py",
     "live_quality.py",
     "serve_engines_bench.py",
