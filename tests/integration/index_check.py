@@ -5,11 +5,14 @@ its answer is a *boundary*: the block before it is held (or it is 0), the block 
 it is the chain's end). When the replica's blocks along the chain form a prefix (vLLM's caches
 always do) there is one boundary and the answer equals the in-memory walk; when the index holds
 a gap, the answer may lie at any boundary from the first gap on.
+
+`without_suspending` checks the writes' contract: a write call never waits (it queues or drops).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from controlplane.prefix.memory import InMemoryPrefixIndex
 from controlplane.types import PrefixMatch
@@ -44,3 +47,13 @@ def check_lookup(
         assert mine.matched_blocks >= mine.confirmed_blocks
     assert set(got) <= set(replicas)
     assert all(m.matched_blocks > 0 for m in got.values())
+
+
+def without_suspending(call: Coroutine[Any, Any, None]) -> bool:
+    """True if the coroutine ran to its end at its first step (it never waited for anything)."""
+    try:
+        call.send(None)
+    except StopIteration:
+        return True
+    call.close()
+    return False

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from index_check import check_lookup
+from index_check import check_lookup, without_suspending
 from redis_server import RedisServer, available
 
 from controlplane.errors import ConfigError
@@ -433,12 +433,9 @@ async def test_scripts_are_reloaded_after_noscript(
 
 async def test_full_write_queue_drops_without_blocking(make_index: Factory) -> None:
     index = make_index(write_queue_size=4)
-    t0 = time.perf_counter()
     for i in range(200):
-        await index.record_stored("r0", 1, chain(range(i, i + 8)))  # never yields to the loop
-    elapsed = time.perf_counter() - t0
+        assert without_suspending(index.record_stored("r0", 1, chain(range(i, i + 8))))
     assert index.writes_dropped == 196
-    assert elapsed < 0.5  # generous: 200 enqueues incl. hashing, no I/O
     assert await index.flush()
     assert index.writes_applied == 4
 

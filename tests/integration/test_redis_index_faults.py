@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 import pytest
+from index_check import without_suspending
 from redis_server import RedisServer, free_port
 
 from controlplane.hashing import BlockHasher
@@ -32,16 +32,6 @@ BUDGET_S = 0.025
 
 def state(index: RedisPrefixIndex) -> BreakerState:
     return index.breaker_state  # a call, so that type checkers do not narrow it between checks
-
-
-def without_suspending(call: Coroutine[Any, Any, None]) -> bool:
-    """True if the coroutine ran to its end at its first step (it never waited for anything)."""
-    try:
-        call.send(None)
-    except StopIteration:
-        return True
-    call.close()
-    return False
 
 
 async def populated(make_index: Factory, **kwargs: object) -> RedisPrefixIndex:
