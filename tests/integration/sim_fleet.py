@@ -73,9 +73,9 @@ class SimReplica:
                 if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
                     return self
             time.sleep(0.02)
-        err = self.stderr  # read before stop() closes the file
-        self.stop()
-        raise TimeoutError(f"sim replica not healthy in {self.start_timeout_s}s: {err}")
+        raise TimeoutError(
+            f"sim replica not healthy in {self.start_timeout_s}s: {self._last_words()}"
+        )
 
     def _read_ready_line(self, deadline: float) -> str:
         assert self.child is not None and self.child.stdout is not None
@@ -93,9 +93,15 @@ class SimReplica:
                         return line[len(READY_PREFIX) :].strip()
             elif self.child.poll() is not None:
                 break
-        err = self.stderr  # read before stop() closes the file
+        raise RuntimeError(f"sim replica did not start: {buf!r} {self._last_words()}")
+
+    def _last_words(self) -> str:
+        """Stop the replica and return all it wrote on stderr (read before `stop()` closes it)."""
+        assert self.child is not None
+        self.child.stop(5.0)
+        err = self.stderr
         self.stop()
-        raise RuntimeError(f"sim replica did not start: {buf!r} {err}")
+        return err
 
     @property
     def pid(self) -> int:
