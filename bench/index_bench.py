@@ -29,21 +29,17 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import redis
 from common import console, print_table, write_json
 from redis.asyncio.connection import AbstractConnection
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
-from redis_server import RedisServer
-
 from controlplane.hashing import BlockHasher, scope_key
 from controlplane.prefix.redis_index import RedisPrefixIndex
+from deploy.redis_local import RedisServer
 
 BLOCK = 16
 PROMPT_TOKENS = 32_000

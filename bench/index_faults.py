@@ -21,18 +21,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from common import console, print_table, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integration"))
-from redis_server import RedisServer
-
 from controlplane.hashing import BlockHasher
 from controlplane.prefix.redis_index import RedisPrefixIndex
+from deploy.redis_local import RedisServer
 
 Q = BlockHasher(1).hash_blocks(list(range(64)))
 CANDS = [("r0", 1), ("r1", 1)]
@@ -127,8 +123,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         with RedisServer() as server:
             row |= await hung(server)
         rounds.append(row)
-    keys = list(rounds[0])
-    summary = {k: max(r[k] for r in rounds) for k in keys}
+    # the worst round per figure: the largest, but for the shortest hung lookup its smallest
+    summary = {k: (min if k.endswith("_min_s") else max)(r[k] for r in rounds) for k in rounds[0]}
     return {"rounds": rounds, "worst": summary, "open_calls": args.open_calls}
 
 
