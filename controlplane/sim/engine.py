@@ -24,8 +24,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from controlplane.roofline.profile import EngineProfile
 from controlplane.roofline.step import StepCostModel
 from controlplane.sim.block_pool import BlockPool
@@ -434,11 +432,9 @@ class SimEngine:
             popped = pool.allocate(full + extra)
             for p, (_a0, idx) in enumerate(starts):
                 req = members[idx][0]
-                got = popped[p:full:m]
+                req.add_blocks(popped[p:full:m])
                 if p < extra:
-                    got = np.concatenate((got, popped[full + p : full + p + 1]))
-                req.blocks = np.concatenate((req.blocks, got))
-                req.num_blocks += len(got)
+                    req.add_block(int(popped[full + p]))
         if pool.enable_caching:
             cache_full = self.sched.cache_full
             for req, c in members:
@@ -462,7 +458,6 @@ class SimEngine:
         for s, idx, kind in ops:
             req, c = members[idx]
             if kind == 0:
-                req.blocks = np.concatenate((req.blocks, pool.allocate(1)))
-                req.num_blocks += 1
+                req.add_block(int(pool.allocate(1)[0]))
             elif pool.enable_caching:
                 self.sched.cache_full(req, (c + s) // bs)

@@ -27,7 +27,7 @@ class EngineRequest:
 
     __slots__ = (
         "arrival_s",
-        "blocks",
+        "block_buf",
         "cached_tokens",
         "finish_s",
         "first_scheduled_s",
@@ -82,8 +82,10 @@ class EngineRequest:
         self.status = Status.WAITING
         self.num_computed = 0
         self.num_output = 0
-        self.blocks: Ids = NO_BLOCKS
-        self.num_blocks = 0  # len(blocks), kept beside it for the step loop
+        # the KV blocks held, in order: block_buf[:num_blocks]; block_buf has room to grow (a
+        # decode appends one block every block_size tokens without copying the others)
+        self.block_buf: Ids = NO_BLOCKS
+        self.num_blocks = 0
         self.num_cached_blocks = 0
         self.preemptions = 0
         # prompt tokens served from the prefix cache at first admission (usage.cached_tokens)
@@ -102,6 +104,44 @@ class EngineRequest:
     @property
     def remaining_output(self) -> int:
         return self.max_output - self.num_output
+
+    @property
+    def blocks(self) -> Ids:
+        """The KV blocks held, in order (a view)."""
+        return self.block_buf[: self.num_blocks]
+
+    def add_blocks(self, new: Ids) -> None:
+        """Append `new` to the blocks held (the array is adopted when none are held)."""
+        n, k = self.num_blocks, len(new)
+        buf = self.block_buf
+        if not n:
+            # adopted as is: it is full, so the next append copies it into a buffer of ours
+            self.block_buf = new
+        elif n + k <= len(buf):
+            buf[n : n + k] = new
+        else:
+            grown = np.empty(max(2 * n, n + k, 16), dtype=np.int64)
+            grown[:n] = buf[:n]
+            grown[n : n + k] = new
+            self.block_buf = grown
+        self.num_blocks = n + k
+
+    def add_block(self, block: int) -> None:
+        """Append one block (a decode crossing a block boundary)."""
+        n = self.num_blocks
+        buf = self.block_buf
+        if n >= len(buf):
+            grown = np.empty(max(2 * n, 16), dtype=np.int64)
+            grown[:n] = buf[:n]
+            self.block_buf = buf = grown
+        buf[n] = block
+        self.num_blocks = n + 1
+
+    def drop_blocks(self) -> None:
+        """Hold no blocks (they were freed)."""
+        self.block_buf = NO_BLOCKS
+        self.num_blocks = 0
+        self.num_cached_blocks = 0
 
     def block_hash(self, index: int) -> int:
         """Chained hash id of block `index`; blocks beyond the known content are unique."""

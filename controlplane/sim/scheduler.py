@@ -36,10 +36,8 @@ import heapq
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from controlplane.sim.block_pool import BlockPool, Blocks
-from controlplane.sim.request import NO_BLOCKS, EngineRequest, Status
+from controlplane.sim.request import EngineRequest, Status
 
 
 class WaitingQueue:
@@ -162,15 +160,12 @@ class Scheduler:
             if new_blocks + pool.evictable_among(hit_blocks) > pool.num_free:
                 return False
             pool.touch(hit_blocks)
-            req.blocks = np.concatenate((req.blocks, hit_blocks))
-            req.num_blocks += num_hit
+            req.add_blocks(hit_blocks)
             req.num_cached_blocks = req.num_blocks
         if new_blocks > 0:
             if new_blocks > pool.num_free:
                 return False
-            fresh = pool.allocate(new_blocks)
-            req.blocks = fresh if not req.num_blocks else np.concatenate((req.blocks, fresh))
-            req.num_blocks += new_blocks
+            req.add_blocks(pool.allocate(new_blocks))
         if pool.enable_caching:
             full = min(computed + num_new, req.num_tokens) // bs
             if full > req.num_cached_blocks:
@@ -185,19 +180,17 @@ class Scheduler:
             # the parent hash only goes into the KV event
             parent = req.block_hash(start - 1) if start and pool.events_enabled else None
             if full == start + 1:  # a decode step filled one block
-                pool.cache_few([int(req.blocks[start])], [req.block_hash(start)], parent)
+                pool.cache_few([int(req.block_buf[start])], [req.block_hash(start)], parent)
             elif full - start <= 8:  # a few blocks: plain lists
                 hashes = [req.block_hash(i) for i in range(start, full)]
-                pool.cache_few(req.blocks[start:full].tolist(), hashes, parent)
+                pool.cache_few(req.block_buf[start:full].tolist(), hashes, parent)
             else:
-                pool.cache(req.blocks[start:full], req.block_hashes(start, full), parent)
+                pool.cache(req.block_buf[start:full], req.block_hashes(start, full), parent)
             req.num_cached_blocks = full
 
     def free(self, req: EngineRequest) -> None:
         self.pool.free(req.blocks[::-1])
-        req.blocks = NO_BLOCKS
-        req.num_blocks = 0
-        req.num_cached_blocks = 0
+        req.drop_blocks()
 
     def _preempt(self, req: EngineRequest) -> None:
         self.free(req)
@@ -245,9 +238,7 @@ class Scheduler:
                 # a decode at a block boundary (what `_allocate_slots` does, without its
                 # generality): at most one new block, at most one block filled
                 if end > room:
-                    one = pool.allocate(1)
-                    req.blocks = np.concatenate((req.blocks, one)) if room else one
-                    req.num_blocks += 1
+                    req.add_block(int(pool.allocate(1)[0]))
                 if fills:
                     self.cache_full(req, min(end, num_tokens) // bs)
                 scheduled.append((req, 1, c))
