@@ -5,8 +5,8 @@ the query chain per replica with `itertools.takewhile(set.__contains__, ...)`, w
 and stops at the first miss, so the cost is the matched length, not the prompt length.
 
 Speculative entries: whole chains with an expiry time from the injected clock, kept by
-`SpeculativeChains` (speculative.py), grouped by first hash: a few chains are scanned, many are
-counted per hash and searched once (chained hashes make "held" monotone along the query).
+`SpeculativeChains` (speculative.py) as a radix tree per replica: a lookup walks it down once, a
+binary search per edge (chained hashes make "held" monotone along the query).
 
 A replica's match is the first block held by neither kind:
 

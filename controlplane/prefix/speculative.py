@@ -5,22 +5,21 @@ shortens it when the first token shows the KV events have taken over (`retract`)
 lookups count the chain as held.
 
 Block hashes are chained: block j's hash depends on every block before it, so two chains agree
-on block j only if they agree on every block before it. A replica's chains are grouped by first
-hash (a query can only match its own group), and a group answers "longest live prefix of the
-query" in one of two ways, whichever is cheaper for its size:
+on block j only if they agree on every block before it. A replica's live chains form a radix tree
+(a trie whose single-child runs are one edge): a node is a prefix some live chain has, its edge
+is a slice of one chain's hashes, and it counts the live chains that hold its whole prefix. With
+chained hashes one comparison tells whether a query holds a whole edge (its last hash), and a
+binary search where along the edge it leaves it, so
 
-    few chains (<= COUNT_ABOVE)  scan them; a chain can only beat the best so far if it agrees
-                                 on the block right after it, so most cost one comparison, the
-                                 rest a binary search of the common prefix
-    many chains                  count every hash of the group's chains: "some chain holds the
-                                 query's block j" implies it holds blocks 0..j, so the answer is
-                                 a binary search over one membership test per step
+    lookup   walk down: at a node, the child keyed by the query's next hash; its whole edge
+             matched (one comparison), go on; else the match ends inside it (binary search)
+    add      the same walk, counting the chain at each node it passes; where it leaves an edge,
+             the edge is split there and the chain's rest becomes a new leaf
+    remove   the same walk, uncounting; a node no chain holds any more goes with its subtree
 
-Many chains share a first hash when many queued requests share a system prompt or document:
-then a scan per lookup costs more than counting each chain's blocks once. The counts are two
-counters that only grow (`added` on speculation, `gone` on expiry; both one C-level
-`Counter.update`), a hash being live while added > gone; once `added` holds twice the hashes of
-its last rebuild, both are rebuilt from the live chains, so the rebuilds cost O(1) per new hash.
+so each costs O(depth x log edge), not O(chain length): when many queued requests share a system
+prompt or a document, they all hang below one node. Every chain ends at a node, so removal
+walks its chain node by node.
 
 Expiry is by the injected clock: a heap of (expires_at, seq, chain) pops each chain when its
 time passes (before every lookup and write), so lookups see exactly the chains with
@@ -30,11 +29,7 @@ expires_at > now.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Sequence
-
-COUNT_ABOVE = 32  # a group with more chains than this counts hashes instead of scanning
-REBUILD_MIN = 4096  # hashes counted before the first rebuild of a group's counters
 
 
 class _Chain:
@@ -43,86 +38,96 @@ class _Chain:
     def __init__(self, expires_at: float, hashes: Sequence[int]) -> None:
         self.expires_at = expires_at
         self.hashes = hashes
-        self.live = True  # held by its group
+        self.live = True  # held by its replica's tree
 
 
-def _common_prefix(query: Sequence[int], chain: Sequence[int]) -> int:
-    """Length of the common prefix of two chained-hash sequences (binary search)."""
-    hi = min(len(query), len(chain))
-    if hi == 0 or query[0] != chain[0]:
-        return 0
-    if query[hi - 1] == chain[hi - 1]:
+class _Node:
+    """A prefix of `hi` blocks that live chains hold: `key[:hi]`; the edge from its parent is
+    `key[parent.hi:hi]`."""
+
+    __slots__ = ("children", "count", "hi", "key")
+
+    def __init__(self, key: Sequence[int], hi: int, count: int) -> None:
+        self.key = key
+        self.hi = hi
+        self.count = count  # live chains holding all of key[:hi]
+        self.children: dict[int, _Node] = {}  # by the first hash of the child's edge
+
+
+def _agree(query: Sequence[int], key: Sequence[int], lo: int, hi: int) -> int:
+    """Leading blocks shared by `query` and `key`, given that they share `lo` and that `hi` is
+    at most both lengths (chained hashes: the shared part is a prefix, found by binary search)."""
+    if query[hi - 1] == key[hi - 1]:
         return hi
-    lo = 1  # query[:lo] == chain[:lo]; query[hi-1] != chain[hi-1]
+    # query[lo - 1] == key[lo - 1]; query[hi - 1] != key[hi - 1]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if query[mid - 1] == chain[mid - 1]:
+        if query[mid - 1] == key[mid - 1]:
             lo = mid
         else:
             hi = mid
     return lo
 
 
-class _Group:
-    """A replica's live chains with one first hash; counted once there are many."""
+def _longest(root: _Node, query: Sequence[int]) -> int:
+    n = len(query)
+    node, pos = root, 0
+    while pos < n:
+        child = node.children.get(query[pos])
+        if child is None:
+            return pos
+        hi = child.hi
+        if hi > n:
+            return _agree(query, child.key, pos + 1, n)
+        if query[hi - 1] != child.key[hi - 1]:
+            return _agree(query, child.key, pos + 1, hi)
+        node, pos = child, hi
+    return pos
 
-    __slots__ = ("added", "chains", "gone", "rebuild_at")
 
-    def __init__(self) -> None:
-        self.chains: list[_Chain] = []
-        self.added: Counter[int] | None = None  # None: scan mode
-        self.gone: Counter[int] = Counter()
-        self.rebuild_at = REBUILD_MIN
+def _insert(root: _Node, chain: Sequence[int]) -> None:
+    n = len(chain)
+    node, pos = root, 0
+    while pos < n:
+        first = chain[pos]
+        child = node.children.get(first)
+        if child is None:
+            node.children[first] = _Node(chain, n, 1)
+            return
+        hi = child.hi
+        shared = _agree(chain, child.key, pos + 1, min(hi, n))
+        if shared == hi:
+            child.count += 1
+            node, pos = child, hi
+            continue
+        # the chain leaves (or ends inside) the child's edge: split it at `shared`
+        mid = _Node(child.key, shared, child.count + 1)
+        mid.children[child.key[shared]] = child
+        node.children[first] = mid
+        if shared < n:
+            mid.children[chain[shared]] = _Node(chain, n, 1)
+        return
 
-    def add(self, chain: _Chain) -> None:
-        self.chains.append(chain)
-        if self.added is not None:
-            self.added.update(chain.hashes)
-            if len(self.added) > self.rebuild_at:
-                self._count()
-        elif len(self.chains) > COUNT_ABOVE:
-            self._count()
 
-    def remove(self, chain: _Chain) -> None:
-        self.chains.remove(chain)
-        if self.added is not None:
-            self.gone.update(chain.hashes)
-
-    def _count(self) -> None:
-        self.added, self.gone = Counter(), Counter()
-        for chain in self.chains:
-            self.added.update(chain.hashes)
-        self.rebuild_at = max(REBUILD_MIN, 2 * len(self.added))
-
-    def longest_prefix(self, hashes: Sequence[int]) -> int:
-        added = self.added
-        if added is None:
-            n, spec = len(hashes), 0
-            for chain in self.chains:
-                held = chain.hashes
-                if spec < n and spec < len(held) and held[spec] == hashes[spec]:
-                    spec = _common_prefix(hashes, held)
-            return spec
-        gone = self.gone
-        n = len(hashes)
-        if added.get(hashes[n - 1], 0) > gone.get(hashes[n - 1], 0):
-            return n
-        lo, hi = 0, n - 1  # held: hashes[lo - 1] (or lo == 0); not held: hashes[hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if added.get(hashes[mid - 1], 0) > gone.get(hashes[mid - 1], 0):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+def _delete(root: _Node, chain: Sequence[int]) -> None:
+    n = len(chain)
+    node, pos = root, 0
+    while pos < n:
+        first = chain[pos]
+        child = node.children[first]
+        child.count -= 1
+        if not child.count:  # nobody holds it any more, nor anything below it
+            del node.children[first]
+            return
+        node, pos = child, child.hi
 
 
 class SpeculativeChains:
     """Every replica's speculative chains; callers pass `now` from their injected clock."""
 
     def __init__(self) -> None:
-        # replica -> first hash -> its group
-        self._groups: dict[str, dict[int, _Group]] = {}
+        # replica -> the root of its tree (hi 0; its count is unused)
+        self._trees: dict[str, _Node] = {}
         # replica -> last hash -> chains (what `shorten` finds a chain by)
         self._by_last: dict[str, dict[int, list[_Chain]]] = {}
         self._expiry: list[tuple[float, int, str, _Chain]] = []
@@ -131,11 +136,10 @@ class SpeculativeChains:
     def add(self, replica_id: str, hashes: Sequence[int], expires_at: float, now: float) -> None:
         self.prune(now)
         chain = _Chain(expires_at, hashes)
-        groups = self._groups.setdefault(replica_id, {})
-        group = groups.get(hashes[0])
-        if group is None:
-            group = groups[hashes[0]] = _Group()
-        group.add(chain)
+        root = self._trees.get(replica_id)
+        if root is None:
+            root = self._trees[replica_id] = _Node((), 0, 0)
+        _insert(root, hashes)
         self._by_last.setdefault(replica_id, {}).setdefault(hashes[-1], []).append(chain)
         self._push(replica_id, chain)
 
@@ -149,10 +153,9 @@ class SpeculativeChains:
                 self._push(replica_id, chain)
 
     def forget(self, replica_id: str) -> None:
-        groups = self._groups.pop(replica_id, {})
-        self._by_last.pop(replica_id, None)
-        for group in groups.values():
-            for chain in group.chains:
+        self._trees.pop(replica_id, None)
+        for same in self._by_last.pop(replica_id, {}).values():
+            for chain in same:
                 chain.live = False
 
     def prune(self, now: float) -> None:
@@ -166,22 +169,17 @@ class SpeculativeChains:
     # reads: the caller prunes first (`prune(now)`), once per lookup
     def longest_prefix(self, replica_id: str, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` a live chain of the replica holds."""
-        groups = self._groups.get(replica_id)
-        group = groups.get(hashes[0]) if groups and hashes else None
-        return group.longest_prefix(hashes) if group is not None else 0
+        root = self._trees.get(replica_id)
+        return _longest(root, hashes) if root is not None else 0
 
     def held(self) -> int:
         """Chains held (expired ones until `prune` drops them)."""
-        return sum(len(g.chains) for groups in self._groups.values() for g in groups.values())
+        return sum(len(same) for by_last in self._by_last.values() for same in by_last.values())
 
     def _remove(self, replica_id: str, chain: _Chain) -> None:
         chain.live = False
-        first, last = chain.hashes[0], chain.hashes[-1]
-        groups = self._groups[replica_id]
-        group = groups[first]
-        group.remove(chain)
-        if not group.chains:
-            del groups[first]
+        _delete(self._trees[replica_id], chain.hashes)
+        last = chain.hashes[-1]
         by_last = self._by_last[replica_id]
         same = by_last[last]
         same.remove(chain)
