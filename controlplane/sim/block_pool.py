@@ -200,7 +200,7 @@ class BlockPool:
         if n > self.num_free:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
         if n <= _SMALL:
-            return np.array(self._allocate_small(n), dtype=np.int64)
+            return np.array(self.allocate_few(n), dtype=np.int64)
         parts: list[Blocks] = []
         stack = self._stack
         if stack:
@@ -330,8 +330,11 @@ class BlockPool:
         self._qpos[blocks] = -2  # free, but not in the ring
         self._stack.extend(blocks[::-1].tolist())
 
-    def _allocate_small(self, n: int) -> list[int]:
-        """`allocate` for a few blocks, one at a time with scalar array access."""
+    def allocate_few(self, n: int) -> list[int]:
+        """`allocate` for a few blocks, as a plain list (the decode path): one at a time with
+        scalar array access."""
+        if n > self.num_free:
+            raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
         out: list[int] = []
         stack = self._stack
         while stack and n:

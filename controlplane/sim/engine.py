@@ -458,6 +458,6 @@ class SimEngine:
         for s, idx, kind in ops:
             req, c = members[idx]
             if kind == 0:
-                req.add_block(int(pool.allocate(1)[0]))
+                req.add_block(pool.allocate_few(1)[0])
             elif pool.enable_caching:
                 self.sched.cache_full(req, (c + s) // bs)

@@ -238,7 +238,7 @@ class Scheduler:
                 # a decode at a block boundary (what `_allocate_slots` does, without its
                 # generality): at most one new block, at most one block filled
                 if end > room:
-                    req.add_block(int(pool.allocate(1)[0]))
+                    req.add_block(pool.allocate_few(1)[0])
                 if fills:
                     self.cache_full(req, min(end, num_tokens) // bs)
                 scheduled.append((req, 1, c))

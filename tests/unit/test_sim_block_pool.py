@@ -132,6 +132,8 @@ def test_null_block_and_initial_state(guard: PoolGuard) -> None:
     assert pool.num_free == 0
     with pytest.raises(RuntimeError):
         pool.allocate(1)
+    with pytest.raises(RuntimeError):
+        pool.allocate_few(1)
     pool.free(got[::-1])
 
 
@@ -653,9 +655,13 @@ class PoolMachine(RuleBasedStateMachine):
     def allocate(self, data: st.DataObject) -> None:
         n = data.draw(st.integers(min_value=0, max_value=self.model.num_free))
         held = {b for blocks in self.owners.values() for b in blocks}
-        out = self.pool.allocate(n)
-        assert isinstance(out, np.ndarray) and out.dtype == np.int64
-        got = out.tolist()
+        if n <= 8 and data.draw(st.booleans()):  # the decode path's plain list
+            got = self.pool.allocate_few(n)
+            assert all(type(b) is int for b in got)
+        else:
+            out = self.pool.allocate(n)
+            assert isinstance(out, np.ndarray) and out.dtype == np.int64
+            got = out.tolist()
         assert got == self.model.allocate(n)
         assert len(set(got)) == len(got)
         assert not held & set(got), "a referenced block was handed out again"
