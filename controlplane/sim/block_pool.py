@@ -55,15 +55,20 @@ class BlockPool:
 
     __slots__ = (
         "_cached",
+        "_cached_v",
         "_dups",
         "_fresh_next",
         "_hash",
+        "_hash_v",
         "_head",
         "_id_top",
         "_nfree",
         "_qpos",
+        "_qpos_v",
         "_ref",
+        "_ref_v",
         "_ring",
+        "_ring_v",
         "_stack",
         "_stale",
         "_tail",
@@ -117,6 +122,7 @@ class BlockPool:
         # 1 + the largest hash id ever cached: growing `_cached` copies only below it
         self._id_top = 0
         self._dups: dict[int, list[int]] = {}
+        self._views()
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -134,22 +140,22 @@ class BlockPool:
         return int(np.count_nonzero(self._cached)) + sum(len(v) for v in self._dups.values())
 
     def ref_count(self, block: int) -> int:
-        return int(self._ref[block]) if block < self._fresh_next else 0
+        return self._ref_v[block] if block < self._fresh_next else 0
 
     def block_hash(self, block: int) -> int | None:
         if block >= self._fresh_next:
             return None
-        h = int(self._hash[block])
+        h = self._hash_v[block]
         return None if h < 0 else h
 
     def cached_block(self, h: int) -> int | None:
         if h >= len(self._cached):
             return None
-        b = int(self._cached[h])
+        b = self._cached_v[h]
         return b or None
 
     def is_free(self, block: int) -> bool:
-        return block >= self._fresh_next or self._qpos[block] != -1
+        return block >= self._fresh_next or self._qpos_v[block] != -1
 
     def free_queue(self) -> list[int]:
         """Recycled free blocks in allocation order (fresh blocks sit between the uncached
@@ -337,10 +343,11 @@ class BlockPool:
             raise RuntimeError(f"allocate({n}) with only {self.num_free} free blocks")
         out: list[int] = []
         stack = self._stack
+        qpos, ref = self._qpos_v, self._ref_v
         while stack and n:
             b = stack.pop()
-            self._qpos[b] = -1
-            self._ref[b] = 1
+            qpos[b] = -1
+            ref[b] = 1
             out.append(b)
             n -= 1
         start = self._fresh_next
@@ -350,23 +357,24 @@ class BlockPool:
             self._fresh_next = start + fresh
             self._ref[start : start + fresh] = 1
             out.extend(range(start, start + fresh))
+            qpos, ref = self._qpos_v, self._ref_v  # grown: new arrays
         rest = n - fresh
         if not rest:
             return out
-        ring, qpos, hashes, ref = self._ring, self._qpos, self._hash, self._ref
+        ring, hashes, cached = self._ring_v, self._hash_v, self._cached_v
         head = self._head
         evicted: list[int] = []
         while rest:
-            b = int(ring[head])
+            b = ring[head]
             if qpos[b] == head:
                 qpos[b] = -1
-                h = int(hashes[b])
+                h = hashes[b]
                 if h >= 0:
                     hashes[b] = -1
                     if h in self._dups:
                         self._drop_copy(b, h)
                     else:
-                        self._cached[h] = 0
+                        cached[h] = 0
                     evicted.append(h)
                 ref[b] = 1
                 out.append(b)
@@ -389,7 +397,7 @@ class BlockPool:
         top = max(hashes)
         if top >= self._id_top:
             self._raise_id_top(top)
-        cached, block_hash = self._cached, self._hash
+        cached, block_hash = self._cached_v, self._hash_v
         for b, h in zip(blocks, hashes, strict=True):
             block_hash[b] = h
             if not cached[h]:
@@ -456,7 +464,7 @@ class BlockPool:
 
     def _drop_copy(self, block: int, h: int) -> None:
         """Forget that `block` holds `h`; the earliest remaining copy stays findable."""
-        cached, dups = self._cached, self._dups
+        cached, dups = self._cached_v, self._dups
         if cached[h] == block:
             later = dups.get(h)
             if later:
@@ -479,6 +487,17 @@ class BlockPool:
         self._ref = np.concatenate((self._ref, np.zeros(new - cur, dtype=np.int64)))
         self._hash = np.concatenate((self._hash, np.full(new - cur, -1, dtype=np.int64)))
         self._qpos = np.concatenate((self._qpos, np.full(new - cur, -1, dtype=np.int64)))
+        self._views()
+
+    def _views(self) -> None:
+        """Memoryviews of the per-block and per-hash arrays (the same memory), for the scalar
+        paths: indexing one reads and writes a Python int, several times faster than a numpy
+        scalar. Taken again whenever an array is replaced by a grown one."""
+        self._ref_v = self._ref.data
+        self._hash_v = self._hash.data
+        self._qpos_v = self._qpos.data
+        self._ring_v = self._ring.data
+        self._cached_v = self._cached.data
 
     def _raise_id_top(self, top: int) -> None:
         """Hash ids up to `top` may now be cached (`top` >= `_id_top`)."""
@@ -498,6 +517,7 @@ class BlockPool:
             top = self._id_top  # nothing above it was ever written
             grown[:top] = self._cached[:top]
             self._cached = grown
+            self._views()
 
     def _reserve_ring(self, k: int) -> None:
         if self._tail + k <= len(self._ring):
@@ -510,4 +530,5 @@ class BlockPool:
         ring[: len(live)] = live
         self._qpos[live] = np.arange(len(live))
         self._ring, self._head, self._tail = ring, 0, len(live)
+        self._views()
         self._stale = []
