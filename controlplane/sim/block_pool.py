@@ -392,13 +392,19 @@ class BlockPool:
 
     def cache_few(self, blocks: list[int], hashes: list[int], parent: int | None) -> None:
         """`cache` for a few blocks given as plain lists (the decode path)."""
-        if min(hashes) < 0:
-            raise ValueError("hash ids are non-negative")
-        top = max(hashes)
+        n = len(blocks)
+        if len(hashes) != n:
+            raise ValueError("cache: one hash per block")
+        top = -1
+        for h in hashes:
+            if h < 0:
+                raise ValueError("hash ids are non-negative")
+            top = max(top, h)
         if top >= self._id_top:
             self._raise_id_top(top)
         cached, block_hash = self._cached_v, self._hash_v
-        for b, h in zip(blocks, hashes, strict=True):
+        for i in range(n):
+            b, h = blocks[i], hashes[i]
             block_hash[b] = h
             if not cached[h]:
                 cached[h] = b

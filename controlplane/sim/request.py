@@ -33,6 +33,7 @@ class EngineRequest:
         "first_scheduled_s",
         "first_token_s",
         "known_hashes",
+        "known_view",
         "max_output",
         "num_blocks",
         "num_cached_blocks",
@@ -70,6 +71,7 @@ class EngineRequest:
         # hash ids of the blocks whose content the trace knows (usually the prompt's full blocks)
         self.known_hashes: Ids = np.asarray(known_hashes, dtype=np.int64)
         self.num_known = len(self.known_hashes)
+        self.known_view = self.known_hashes.data  # a Python int per index, for block_hash
         # hash ids of blocks nobody else can have (generated text, unknown prompt content) are
         # unique_base + (block index - len(known_hashes)); the engine assigns the base
         self.unique_base = -1
@@ -147,7 +149,7 @@ class EngineRequest:
         """Chained hash id of block `index`; blocks beyond the known content are unique."""
         known = self.num_known
         if index < known:
-            return int(self.known_hashes[index])
+            return self.known_view[index]
         return self.unique_base + index - known
 
     def block_hashes(self, start: int, stop: int) -> Ids:

@@ -502,11 +502,18 @@ def test_hash_ids_must_be_dense(n: int) -> None:
     check_pool(pool, [blocks])
 
 
-def test_negative_hash_ids_are_rejected_on_the_scalar_path() -> None:
+@pytest.mark.parametrize(
+    "hashes",
+    [[1, -2, 3], [1, 2], [1, 2, 3, 4]],
+    ids=["negative", "fewer hashes", "more hashes"],
+)
+def test_bad_hashes_are_rejected_on_the_scalar_path_before_any_change(hashes: list[int]) -> None:
     pool = make_pool(16)
     blocks = pool.allocate(3)
     with pytest.raises(ValueError):
-        pool.cache(blocks, [1, -2, 3], None)
+        pool.cache_few(blocks.tolist(), hashes, None)
+    assert [pool.block_hash(int(b)) for b in blocks] == [None, None, None]
+    assert pool.cached_block(1) is None
 
 
 def test_negative_hash_ids_are_rejected_on_the_batch_path() -> None:
