@@ -22,9 +22,11 @@ a plain array indexed by id that grows on demand.
 
 Speed. A replay moves millions of blocks, so every operation on a batch is a handful of numpy
 array operations (per-block cost of a few nanoseconds); single-block calls, the common case
-during decode, take a scalar path. The free queue is a ring of block ids with lazy deletion:
-`_qpos[b]` is the position of block b's live entry (-1 when b is not free); taking a block out of
-the middle only clears `_qpos[b]`, and the head skips entries whose position no longer matches.
+during decode, take a scalar path that indexes memoryviews of the same arrays (a Python int per
+access, several times cheaper than a numpy scalar). The free queue is a ring of block ids with
+lazy deletion: `_qpos[b]` is the position of block b's live entry (-1 when b is not free);
+taking a block out of the middle only clears `_qpos[b]`, and the head skips entries whose
+position no longer matches.
 Popping takes a plain slice of the ring when no such stale entry lies ahead of the head.
 """
 
